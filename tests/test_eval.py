@@ -57,8 +57,15 @@ def test_cells_run_full_once_first():
     assert config.cells() == [("full", None), ("tova", 256), ("tova", 128), ("h2o", 256), ("h2o", 128)]
 
 
+def test_cells_take_wrappers_and_budget_fitted_methods():
+    config = EvalConfig(model="m", dataset="gsm8k", out="x", methods=("caote:tova", "lagkv"), budgets=(64,))
+    assert config.cells() == [("full", None), ("caote:tova", 64), ("lagkv", 64)]
+    with pytest.raises(ValueError, match="unknown method wrapper 'nope'"):
+        EvalConfig(model="m", dataset="d", out="x", methods=("nope:tova",))
+
+
 def test_config_errors_name_the_fix():
-    with pytest.raises(ValueError, match="unknown method.*choose from: full"):
+    with pytest.raises(ValueError, match="unknown method .nope.; choose one of: full"):
         EvalConfig(model="m", dataset="d", out="x", methods=("nope",))
     with pytest.raises(ValueError, match="budgets must be positive"):
         EvalConfig(model="m", dataset="d", out="x", budgets=(0,))

@@ -232,6 +232,7 @@ def generate(
     encoded = encode_prompts(tokenizer, prompts, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, positions = left_pad(encoded, pad_id or 0, device)
+    policy = policy.for_horizon(input_ids.shape[1] + config.max_new_tokens)  # LagKV at a budget
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
     run = _Run(tokenizer, model, encoded, config, on_token)

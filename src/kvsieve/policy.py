@@ -55,6 +55,7 @@ class Scorer:
     meta_init: ClassVar[dict[str, float]] = {}  # per-token state -> value for new tokens
     observes: ClassVar[bool] = False  # wants observe() with every step's attention rows
     uses_budget: ClassVar[bool] = True  # False: the scorer's own select() decides how many tokens stay
+    fits_budget: ClassVar[bool] = False  # uses_budget False but fit_budget() maps a budget to settings
     default_sinks: ClassVar[int] = 0
     recent_doc: ClassVar[str] = "0"  # how default_recent depends on the budget, for `kvsieve methods`
     default_interval: ClassVar[int] = 1
@@ -75,6 +76,11 @@ class Scorer:
         ``rows`` is each cache row's index in the original batch).  Scorers that need token text or
         hidden states (SkipKV) set up here and clean up on exit; the default yields None."""
         return contextlib.nullcontext()
+
+    def fit_budget(self, budget: int, horizon: int) -> "Scorer":
+        """A copy whose own settings keep at most about ``budget`` tokens over ``horizon``
+        tokens per row (only scorers with ``fits_budget``, e.g. LagKV)."""
+        raise NotImplementedError(f"{self.name} has no budget-to-settings rule")
 
     def needs_aligned_heads(self) -> bool:
         """True if scores are combined across kv heads slot by slot, which needs every head
@@ -182,7 +188,7 @@ class Policy:
             return
         if self.scorer.uses_budget and (self.budget is None or int(self.budget) <= 0):
             raise ValueError(f"method {self.scorer.name!r} needs a positive --budget (tokens per row and kv head)")
-        if not self.scorer.uses_budget and self.budget is not None:
+        if not self.scorer.uses_budget and not self.scorer.fits_budget and self.budget is not None:
             raise ValueError(f"method {self.scorer.name!r} sets its own cache size; drop --budget")
         self.sinks = self.scorer.default_sinks if self.sinks is None else self.sinks
         self.recent = self.scorer.default_recent(self.budget) if self.recent is None else self.recent
@@ -218,6 +224,13 @@ class Policy:
         out.update({f.name: getattr(self.scorer, f.name) for f in dataclasses.fields(self.scorer) if f.init})
         out.update({f"allocator_{f.name}": getattr(self.allocator, f.name) for f in dataclasses.fields(self.allocator)})
         return out
+
+    def for_horizon(self, horizon: int) -> "Policy":
+        """The policy to run for rows of at most ``horizon`` tokens: a self-sizing scorer given a
+        budget (``fits_budget``) gets settings fitted to it; every other policy is returned as is."""
+        if self.scorer is None or self.scorer.uses_budget or self.budget is None:
+            return self
+        return dataclasses.replace(self, scorer=self.scorer.fit_budget(int(self.budget), horizon))
 
     def layer_budgets(self, num_layers: int) -> list[int | None]:
         if self.scorer is None or self.budget is None:

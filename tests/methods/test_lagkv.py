@@ -228,8 +228,24 @@ def test_ratio_one_never_compresses_and_bad_settings_are_rejected():
                        ({"statistic": "l1"}, "statistic")]:
         with pytest.raises(ValueError, match=match):
             make_policy("lagkv", **bad)
-    with pytest.raises(ValueError, match="drop --budget"):
-        make_policy("lagkv", budget=128)
+    with pytest.raises(ValueError, match="no room after 16 sinks"):
+        make_policy("lagkv", budget=18).for_horizon(500)
+
+
+@pytest.mark.parametrize("budget", [40, 64, 128, 256, 1000])
+@pytest.mark.parametrize("horizon", [60, 300, 662, 4096])
+def test_budget_fit_keeps_eq_10_peak_within_the_budget(budget, horizon):
+    """kvsieve's budget rule: Eq. (10)'s largest cache over n <= horizon, including the uncompressed
+    window just before a compression, stays <= budget whenever k = 1 fits."""
+    scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
+    S, L, k = scorer.sinks, scorer.lag, scorer.kept
+    assert L & (L - 1) == 0 and 4 * L <= budget - S and 1 <= k <= L
+    peak = max(retained(n, S, L, k) if n >= S + 2 * L else n for n in range(1, horizon + 1))
+    partitions = max(1, (horizon - S) // L - 1)
+    if S + partitions + 2 * L - 1 <= budget:  # k = 1 fits: the rule guarantees the budget
+        assert peak <= budget
+    if horizon <= budget:
+        assert peak == horizon  # nothing has to go
 
 
 # ============================================================================ end to end (bundled model)

@@ -102,12 +102,11 @@ class EvalConfig:
     dtype: str = "auto"
 
     def __post_init__(self):
-        from ..methods import method_names
+        from ..methods import takes_budget
 
         self.methods, self.budgets, self.shard = tuple(self.methods), tuple(self.budgets), tuple(self.shard)
-        unknown = [m for m in self.methods if m not in method_names()]
-        if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; choose from: {', '.join(method_names())}")
+        for method in self.methods:
+            takes_budget(method)  # raises on an unknown method or wrapper, naming the known ones
         if not self.budgets or any(b < 1 for b in self.budgets):
             raise ValueError(f"budgets must be positive token counts, got {list(self.budgets)}")
         if self.batch_size < 1 or self.max_new_tokens < 1:
@@ -122,13 +121,13 @@ class EvalConfig:
 
     def cells(self) -> list[Cell]:
         """``full`` first (the reference), then every method at every budget it takes."""
-        from ..policy import SCORERS
+        from ..methods import takes_budget
 
         cells: list[Cell] = [("full", None)]
         for method in dict.fromkeys(self.methods):
             if method == "full":
                 continue
-            if SCORERS[method].uses_budget:
+            if takes_budget(method):
                 cells += [(method, budget) for budget in dict.fromkeys(self.budgets)]
             else:
                 cells.append((method, None))

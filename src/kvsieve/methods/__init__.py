@@ -47,6 +47,21 @@ def method_names() -> list[str]:
     return ["full", *sorted(SCORERS)]
 
 
+def takes_budget(name: str) -> bool:
+    """Whether method ``name`` runs at a token budget (``lagkv`` may: its budget is mapped to
+    (L, r)); raises the same error as ``make_policy`` for an unknown name."""
+    if name == "full":
+        return False
+    if ":" in name:
+        prefix, base = name.split(":", 1)
+        if prefix not in WRAPPERS:
+            raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
+        return takes_budget(base)
+    if name not in SCORERS:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
+    return SCORERS[name].uses_budget or SCORERS[name].fits_budget
+
+
 def make_policy(name: str, budget: int | None = None, allocator: str = "uniform", **settings) -> Policy:
     """Build the policy called ``name``; errors name what is allowed."""
     if name == "full":

@@ -12,6 +12,15 @@ window of L + ((n - S) mod L) tokens, so n >= S + 2L tokens leave Eq. (10)'s
 normalises by the partition itself (Eqs. 12-13); ``lagkv-l2`` scores -||K|| (Eq. 14) and leaves
 the first two layers whole.  No budget (``uses_budget`` False); never reads attention weights.
 
+Comparisons at a token budget B (``make_policy("lagkv", budget=B)``): kvsieve's own rule, not
+the paper's (``fit_budget``), picks L and r for the run's horizon N (longest prompt + max new
+tokens) so that Eq. (10)'s peak stays within B: L is the largest power of two <= (B - S) / 4
+(the window, < 2L tokens, takes at most half of what the sinks leave), then with
+P = floor((N - S) / L) - 1 partitions compressed by the horizon, k = floor((B - S - 2L + 1) / P)
+tokens per partition (at least 1, at most L) and r = k / L.  The peak is then at most
+S + P k + 2L - 1 <= B; when even k = 1 does not fit, the run exceeds B and reports the peak
+it reached (result rows carry it as ``peak_kv_tokens``).
+
 Schedule: by default compress after the whole prompt (Sec. 3.1), then whenever a partition
 completes while decoding.  Chunked prefill (Sec. 3.4: chunks of S + 2L, then L):
 ``make_policy("lagkv", prefill_block=True)`` with ``GenerateConfig(prefill_chunk=c)``, c
@@ -22,7 +31,7 @@ n = S + jL where a compression falls due: the paper's schedule for unpadded rows
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,6 +66,7 @@ class LagKV(Scorer):
     summary = "attention-free: per-partition top r*L by K/V statistics relative to the next partition"
     source = "arXiv:2504.04704 Sec. 2.2, 3.1 (S=16, L in {128,512,1024}, r in {1/2..1/8}), App. A.2"
     uses_budget = False
+    fits_budget = True  # a budget is mapped to (L, r) by fit_budget
     default_sinks = 16
     sinks: int = 16
     lag: int = 128
@@ -79,6 +89,17 @@ class LagKV(Scorer):
     def kept(self) -> int:
         """k: tokens kept per compressed partition (at least one)."""
         return max(1, round(self.ratio * self.lag))
+
+    def fit_budget(self, budget: int, horizon: int) -> "LagKV":
+        """kvsieve's budget-to-(L, r) rule (module docstring): S stays, L and r are refitted."""
+        room = budget - self.sinks
+        if room < 4:
+            raise ValueError(f"{self.name}: budget {budget} leaves no room after {self.sinks} sinks; "
+                             f"raise --budget to at least {self.sinks + 4} or lower sinks")
+        lag = 1 << ((room // 4).bit_length() - 1)  # largest power of two <= room / 4
+        partitions = max(1, (horizon - self.sinks) // lag - 1)
+        kept = min(lag, max(1, (room - 2 * lag + 1) // partitions))
+        return replace(self, lag=lag, ratio=kept / lag)
 
     @property
     def paper_prefill_chunk(self) -> int:
