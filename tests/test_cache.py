@@ -167,6 +167,43 @@ def test_compact_equals_dense_gather_of_kept_slots_for_keys_values_and_meta(seed
             assert (layer.meta["acc"][b, h, n:] == 0.0).all()
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_evict_in_place_keeps_the_same_tokens_as_a_dense_gather_without_reallocating(seed):
+    """``evict`` drops drop_count[b, h] of the candidate slots; the survivors are exactly the
+    dense gather's (as a set, with K/V/meta attached), packed into slots 0..len-1."""
+    g = torch.Generator().manual_seed(seed)
+    Bn, Hn, S, m = 2, 3, 12, 4
+    cache = SieveCache(1, meta_init={"acc": 0.0})
+    layer = cache.layers[0]
+    layer.capacity_hint = S + 2
+    keys, values = rand(g, Bn, Hn, S, D), rand(g, Bn, Hn, S, DV)
+    pos = torch.arange(S).repeat(Bn, 1)
+    cache.begin_step(pos)
+    cache.update(keys, values, 0)
+    layer.meta["acc"][..., :S] = rand(g, Bn, Hn, S)
+    before = {name: t.clone() for name, t in layer.meta.items()}
+    drop_count = torch.randint(0, m + 1, (Bn, Hn), generator=g)
+    drop_idx = torch.stack([torch.randperm(S, generator=g)[:m] for _ in range(Bn * Hn)]).view(Bn, Hn, m)
+    drop_idx[0, 0] = torch.arange(S - m, S)  # all candidates in the tail: nothing moves
+    drop_count[0, 0] = m
+    storage = layer.keys.data_ptr()
+    layer.evict(drop_idx, drop_count, max_len=S)
+
+    assert layer.keys.data_ptr() == storage and layer.capacity == S + 2
+    for b in range(Bn):
+        for h in range(Hn):
+            gone = set(drop_idx[b, h, : int(drop_count[b, h])].tolist())
+            kept = [s for s in range(S) if s not in gone]
+            n = len(kept)
+            assert int(layer.lengths[b, h]) == n
+            order = layer.meta["pos"][b, h, :n].argsort()  # position order is not promised
+            assert layer.meta["pos"][b, h, :n][order].tolist() == kept
+            torch.testing.assert_close(layer.keys[b, h, :n][order], keys[b, h, kept], rtol=0, atol=0)
+            torch.testing.assert_close(layer.values[b, h, :n][order], values[b, h, kept], rtol=0, atol=0)
+            torch.testing.assert_close(layer.meta["acc"][b, h, :n][order], before["acc"][b, h, kept])
+            assert (layer.meta["pos"][b, h, n:] == DEAD_POS).all() and (layer.meta["acc"][b, h, n:] == 0).all()
+
+
 def test_indices_from_mask_lists_kept_slots_in_slot_order_then_zeros():
     keep = torch.tensor([[[False, True, False, True, True], [True, False, False, False, False]]])
     kept_idx, lengths = indices_from_mask(keep, 3)

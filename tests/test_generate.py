@@ -122,6 +122,30 @@ def test_streaming_cache_equals_dense_forward_over_kept_tokens(smollm, monkeypat
     assert len(logits_seen) == len(result.token_ids[0])
 
 
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "streaming"])
+def test_order_free_bounded_cache_keeps_one_fixed_allocation_while_decoding(smollm, monkeypatch, method):
+    """After prefill, an every-step policy evicts in place: no reallocation, no growth, so every
+    decode step has the same shapes (what a captured CUDA-graph step needs)."""
+    from kvsieve.cache import SieveLayer
+
+    storage, compactions = set(), []
+    original_evict, original_compact = SieveLayer.evict, SieveLayer.compact
+
+    def evict(self, *args, **kwargs):
+        original_evict(self, *args, **kwargs)
+        storage.add((self.layer_idx, self.keys.data_ptr(), self.values.data_ptr(), tuple(self.keys.shape)))
+
+    monkeypatch.setattr(SieveLayer, "evict", evict)
+    monkeypatch.setattr(SieveLayer, "compact", lambda self, *a, **k: (compactions.append(1), original_compact(self, *a, **k)))
+    result = tokens(smollm, [SHORT, LONG], make_policy(method, budget=24), n=40, ignore_eos=True)
+    layers = smollm[0].config.num_hidden_layers
+    assert len(compactions) <= 2 * layers  # drop_dead + the prompt's compression only
+    assert len(storage) == layers  # one allocation per layer for the whole decode (rows never finish early)
+    assert all(shape[2] == 24 + 1 for _, _, _, shape in storage)  # budget + interval
+    assert all(s.compression_events >= 40 - 1 for s in result.stats)
+
+
 @pytest.mark.parametrize("method", ["full", "tova"])
 def test_padding_rows_do_not_change_other_rows(smollm, method):
     policy = None if method == "full" else make_policy(method, budget=24)

@@ -19,8 +19,13 @@ attention can mask them with one comparison (``pos <= query_pos``), and it is th
 mask inside a prefill chunk.  Every piece of per-token state is moved by the same gather
 (``SieveLayer.compact``), so nothing can drift out of step with K/V.
 
+Slots hold tokens in position order, except after ``evict``: a scorer that declares
+``slot_order_free`` (its scores do not depend on which slot neighbours which) lets the engine
+drop a few tokens in place by moving the newest tokens into the freed slots.
+
 Capacity is a host-side integer.  Appends grow it in chunks; compaction gathers into a
-new, smaller tensor, so evicted memory is really returned.  ``max_len`` is a host-side
+new, smaller tensor, so evicted memory is really returned; ``evict`` keeps the allocation
+(a bounded layer is already at its steady capacity, budget + interval).  ``max_len`` is a host-side
 upper bound on ``lengths.max()`` kept without reading the device.
 """
 
@@ -146,6 +151,42 @@ class SieveLayer(CacheLayerMixin):
             self.meta[name] = t.gather(2, kept_idx).masked_fill(dead, self._fill_value(name))
         self.lengths = new_lengths.clone()
         self.capacity = capacity
+        self.max_len = max_len
+
+    def evict(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int) -> None:
+        """Drop a few live slots per (row, head) in place, without reallocating.
+
+        ``drop_idx`` [B, H_kv, m]: candidate slots, of which the first ``drop_count`` [B, H_kv]
+        (<= m) are dropped; they must be distinct live slots.  The live tokens of the tail
+        (slots ``length - drop_count`` .. ``length - 1``) that are not dropped move into the
+        holes below the new length, so live slots stay ``0 .. length - 1``.  Costs O(m) token
+        copies per head instead of ``compact``'s O(capacity).  ``max_len`` is the new host-side
+        bound on the lengths.
+        """
+        B, H, m = drop_idx.shape
+        step = torch.arange(m, device=self.device)
+        new_len = self.lengths - drop_count  # [B, H]
+        dropped = step < drop_count[..., None]  # [B, H, m]: which candidates really go
+        tail = new_len[..., None] + step  # [B, H, m]: the slots that fall off the new end
+        tail_dropped = ((tail[..., :, None] == drop_idx[..., None, :]) & dropped[..., None, :]).any(dim=-1)
+        movers = dropped & ~tail_dropped  # tail tokens that stay (as many as there are holes)
+        holes = dropped & (drop_idx < new_len[..., None])
+        far = self.capacity  # sorts after every real slot
+        dst = torch.where(holes, drop_idx, far).sort(dim=-1).values
+        src = torch.where(movers, tail, far).sort(dim=-1).values
+        # unused pairs copy a slot past the new end onto itself (never a real destination)
+        idle = torch.clamp(tail, max=self.capacity - 1)
+        dst, src = torch.where(dst == far, idle, dst), torch.where(src == far, idle, src)
+        D, Dv = self.keys.shape[-1], self.values.shape[-1]
+        for name in ("keys", "values"):
+            store, width = getattr(self, name), (D if name == "keys" else Dv)
+            moved = store.gather(2, src[..., None].expand(B, H, m, width))
+            store.scatter_(2, dst[..., None].expand(B, H, m, width), moved)
+        dead = torch.arange(self.capacity, device=self.device) >= new_len[..., None]  # [B, H, capacity]
+        for name, t in self.meta.items():
+            t.scatter_(2, dst, t.gather(2, src))
+            t.masked_fill_(dead, self._fill_value(name))
+        self.lengths = new_len
         self.max_len = max_len
 
     def select_rows(self, rows: torch.Tensor) -> None:

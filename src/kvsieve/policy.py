@@ -60,6 +60,10 @@ class Scorer:
     recent_doc: ClassVar[str] = "0"  # how default_recent depends on the budget, for `kvsieve methods`
     default_interval: ClassVar[int] = 1
     default_compress_prefill: ClassVar[bool] = True  # Policy's compress_prefill when the user sets none
+    # True if scores are per token and ignore which slot neighbours which (no pooling along the
+    # slots, no partitions): the engine may then evict in place (SieveLayer.evict), moving the
+    # newest tokens into freed slots, instead of re-gathering the whole cache every step.
+    slot_order_free: ClassVar[bool] = False
 
     def default_recent(self, budget: int) -> int:
         """Recent tokens protected from eviction when the user sets none."""
@@ -289,6 +293,11 @@ def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_t
         scores = scores.clone()  # never write into a scorer's own state (H2O returns its sums)
     scores.masked_fill_(dead, float("-inf"))
     chosen = scorer.select(layer, scores, budget, seen_tokens)
+    if chosen is None and _can_evict_in_place(layer, policy, budget):
+        excess = layer.max_len - budget  # host ints: at most this many tokens go per head
+        lowest = scores.masked_fill(dead, float("inf")).topk(excess, dim=-1, largest=False).indices
+        layer.evict(lowest, (layer.lengths - budget).clamp(min=0, max=excess), max_len=budget)
+        return
     if chosen is None and not policy.allocator.ragged_heads:
         kept_idx, new_lengths = top_k_indices(scores, min(layer.max_len, budget))
     else:
@@ -300,6 +309,14 @@ def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_t
             K = int(keep.sum(dim=-1).max())
         kept_idx, new_lengths = indices_from_mask(keep, K)
     layer.compact(kept_idx, new_lengths, capacity=kept_idx.shape[-1] + policy.interval, max_len=kept_idx.shape[-1])
+
+
+def _can_evict_in_place(layer: SieveLayer, policy: Policy, budget: int) -> bool:
+    """In place when the scorer allows any slot order, the allocator keeps the same count in
+    every head, and the layer is already at its steady capacity (budget + interval), so that
+    nothing would be returned by reallocating (right after prefill it would)."""
+    return (policy.scorer.slot_order_free and not policy.allocator.ragged_heads
+            and layer.capacity <= budget + policy.interval and layer.max_len - budget <= policy.interval)
 
 
 def compress(cache: SieveCache, policy: Policy, budgets: list[int]) -> bool:

@@ -101,6 +101,7 @@ class CAOTE(Scorer):
         self.name = f"{prefix}:{base.name}"
         # the engine reads these from the scorer: they are the base's
         self.meta_init, self.observes = base.meta_init, base.observes
+        self.slot_order_free = base.slot_order_free  # Eq. 8 is per token: order-free iff the base is
         self.default_sinks, self.default_interval = base.default_sinks, base.default_interval
 
     def default_recent(self, budget):
@@ -111,6 +112,11 @@ class CAOTE(Scorer):
 
     def needs_aligned_heads(self):
         return self.inner.needs_aligned_heads()
+
+    def attach(self, model, tokenizer):
+        """The base's per-call hook (SkipKV's sentence table and hidden-state read): CAOTE needs
+        none of its own, but without this a base that sets up in ``attach`` would run blind."""
+        return self.inner.attach(model, tokenizer)
 
     def observe(self, layer, probs, query_pos):
         self.inner.observe(layer, probs, query_pos)

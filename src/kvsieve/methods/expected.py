@@ -103,6 +103,7 @@ class ExpectedAttention(Scorer):
     """
 
     summary = "expected attention of future queries (Gaussian, RoPE-averaged) times value norm"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Devoto et al. 2025 (arXiv:2510.00636) via kvpress; epsilon 1e-2, HS buffer 256: AMS Table 10/15"
     default_sinks = 4
     default_interval = 512

@@ -25,6 +25,7 @@ class H2O(Scorer):
     """
 
     summary = "accumulated attention received (heavy hitters) + recent window"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Zhang et al. 2023 (arXiv:2306.14048), Sec. 5: heavy and recent budgets equal"
     meta_init = {"acc": 0.0}
     observes = True

@@ -17,6 +17,7 @@ from ..policy import Scorer, register
 @dataclass
 class KeyDiff(Scorer):
     summary = "negated cosine similarity to the mean key (attention-free)"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Park et al. 2025 (arXiv:2504.15364), Sec. 3"
 
     def score(self, layer, seen_tokens):

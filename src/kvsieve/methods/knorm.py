@@ -14,6 +14,7 @@ from ..policy import Scorer, register
 @dataclass
 class Knorm(Scorer):
     summary = "negated L2 norm of each key (attention-free)"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3"
 
     def score(self, layer, seen_tokens):

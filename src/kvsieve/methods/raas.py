@@ -45,6 +45,7 @@ class RaaS(Scorer):
     """
 
     summary = "all prompt tokens + decode tokens by latest attention >= alpha (timestamp LRU)"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = ("Hu et al. 2025 (arXiv:2502.11147) as in LazyEviction App. C, H.2: every step; "
               "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
     meta_init = {"ts": TS_UNSET, "prompt": 0.0}  # new tokens: born now, not prompt

@@ -19,6 +19,7 @@ class RandomScorer(Scorer):
     """
 
     summary = "uniform random scores (control)"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "control baseline; no paper"
     seed: int = 0
     _gen: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)

@@ -18,6 +18,7 @@ class StreamingLLM(Scorer):
     (StreamingLLM Sec. 3.2: four initial tokens suffice as attention sinks)."""
 
     summary = "attention sinks + sliding window of recent tokens"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Xiao et al. 2023 (arXiv:2309.17453), Sec. 3.2: 4 sink tokens"
     default_sinks = 4
 

@@ -24,6 +24,7 @@ class TOVA(Scorer):
     """
 
     summary = "attention of the current query, averaged over heads"
+    slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Oren et al. 2024 (arXiv:2401.06104), Sec. 3.3"
     heads: str = "layer"
 
