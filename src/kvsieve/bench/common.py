@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ def add_model_args(ap) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="write a torch profiler trace of the measured part (Chrome JSON, open in "
+                         "chrome://tracing or Perfetto) to PATH, and its top operators to PATH.txt")
 
 
 def load_for(args):
@@ -32,6 +36,27 @@ def load_for(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+@contextmanager
+def profiled(path: str | None):
+    """Profile the enclosed block with ``torch.profiler`` when ``path`` is set (``--profile``)."""
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out))
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25)
+    out.with_name(out.name + ".txt").write_text(table)
+    print(table)
+    print(f"wrote profiler trace {out} and {out.name}.txt")
 
 
 def prompts(batch: int) -> list[str]:

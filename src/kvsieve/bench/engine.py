@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_model_args, load_for, machine, timed_generate, write
+from .common import add_model_args, load_for, machine, profiled, timed_generate, write
 
 
 def main(argv=None):
@@ -30,20 +30,8 @@ def main(argv=None):
     if "full" not in methods:
         methods = ["full", *methods]
     timed_generate(model, tok, "full", args.budget, 1, 8)  # warm-up
-    rows = []
-    for batch in map(int, args.batches.split(",")):
-        best: dict[str, dict] = {}
-        for _ in range(args.repeats):
-            for method in methods:
-                row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens)
-                if method not in best or row["decode_tokens_per_s"] > best[method]["decode_tokens_per_s"]:
-                    best[method] = row
-                print(f"  batch {batch} {method:10s} {row['decode_tokens_per_s']:8.1f} tok/s", flush=True)
-        for method in methods:
-            row = best[method]
-            row["speed_vs_full"] = row["decode_tokens_per_s"] / best["full"]["decode_tokens_per_s"]
-            row["kv_bytes_vs_full"] = row["peak_kv_bytes"] / best["full"]["peak_kv_bytes"]
-            rows.append(row)
+    with profiled(args.profile):
+        rows = [row for batch in map(int, args.batches.split(",")) for row in measure(model, tok, methods, batch, args)]
     facts = machine(model)
     print(f"\n{args.model}, {args.new_tokens} new tokens, budget {args.budget}, {facts['device']}, "
           f"{facts['threads']} threads")
@@ -52,6 +40,21 @@ def main(argv=None):
         print(f"{r['batch']:>5} {r['method']:10} {r['decode_tokens_per_s']:8.1f} {r['speed_vs_full']:7.2f} "
               f"{r['peak_kv_bytes']:15,} {r['kv_bytes_vs_full']:7.3f} {r['compression_events']:12}")
     write(args.out, {"benchmark": "engine", "model": args.model, "machine": facts, "rows": rows})
+
+
+def measure(model, tok, methods: list[str], batch: int, args) -> list[dict]:
+    """Best of ``--repeats`` interleaved rounds per method at one batch size, with ratios to full."""
+    best: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for method in methods:
+            row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens)
+            if method not in best or row["decode_tokens_per_s"] > best[method]["decode_tokens_per_s"]:
+                best[method] = row
+            print(f"  batch {batch} {method:10s} {row['decode_tokens_per_s']:8.1f} tok/s", flush=True)
+    for row in best.values():
+        row["speed_vs_full"] = row["decode_tokens_per_s"] / best["full"]["decode_tokens_per_s"]
+        row["kv_bytes_vs_full"] = row["peak_kv_bytes"] / best["full"]["peak_kv_bytes"]
+    return [best[m] for m in methods]
 
 
 if __name__ == "__main__":

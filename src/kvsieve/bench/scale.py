@@ -12,7 +12,7 @@ import argparse
 
 from ..memory import max_batch_size
 from ..methods import make_policy
-from .common import add_model_args, load_for, machine, plot, timed_generate, write
+from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, write
 
 
 def memory(model, tok, args) -> dict:
@@ -108,7 +108,8 @@ def main(argv=None, name: str | None = None):
     args = ap.parse_args(argv)
     name = name or args.name
     model, tok = load_for(args)
-    result = RUNS[name](model, tok, args)
+    with profiled(args.profile):
+        result = RUNS[name](model, tok, args)
     out = write(args.out or f"benchmarks/results/{name}.json",
                 {"benchmark": name, "model": args.model, "machine": machine(model),
                  "settings": {k: v for k, v in vars(args).items() if k != "name"}, "rows": result["rows"]})
