@@ -123,6 +123,38 @@ def test_streaming_cache_equals_dense_forward_over_kept_tokens(smollm, monkeypat
 
 
 
+@pytest.mark.parametrize("method", ["full", "tova", "h2o", "lazy", "snapkv"])
+def test_static_shapes_fix_every_address_while_decoding_and_change_no_token(smollm, monkeypatch, method):
+    """GenerateConfig(static_shapes=True): each decode step sees the same storage (addresses and
+    shapes of K/V, lengths, metadata and query window) -- what a captured CUDA-graph step
+    replays -- and greedy tokens equal the default path's."""
+    settings = {"lazy": {"window": 8}, "snapkv": {"window": 8, "interval": 4}}.get(method, {})
+    policy = make_policy(method, budget=None if method == "full" else 24, **settings)
+    seen = []
+    original = gen_module.forward_step
+
+    def spy(model, cache, input_ids, query_pos, observer):
+        if input_ids.shape[1] == 1:  # decode steps only
+            seen.append(tuple(layer.storage() for layer in cache.layers))
+        return original(model, cache, input_ids, query_pos, observer)
+
+    monkeypatch.setattr(gen_module, "forward_step", spy)
+    static = tokens(smollm, [SHORT, LONG], policy, n=32, ignore_eos=True, static_shapes=True)
+    # lazy keeps the prompt (longer than the budget) whole until its first compression at step W,
+    # whose compaction to budget + W reallocates once; every other storage is fixed from step 1
+    assert len(seen) == 31 and len(set(seen)) == (2 if method == "lazy" else 1)
+    seen.clear()
+    default = tokens(smollm, [SHORT, LONG], policy, n=32, ignore_eos=True)
+    assert static.token_ids == default.token_ids
+
+
+def test_cuda_graph_is_refused_off_cuda_and_for_host_hooks(smollm):
+    with pytest.raises(ValueError, match="CUDA device"):
+        tokens(smollm, [SHORT], make_policy("tova", budget=24), n=4, cuda_graph=True)
+    with pytest.raises(ValueError, match="drop cuda_graph"):
+        tokens(smollm, [SHORT], make_policy("skipkv", budget=64), n=4, cuda_graph=True)
+
+
 @pytest.mark.parametrize("method", ["tova", "h2o", "streaming"])
 def test_order_free_bounded_cache_keeps_one_fixed_allocation_while_decoding(smollm, monkeypatch, method):
     """After prefill, an every-step policy evicts in place: no reallocation, no growth, so every

@@ -64,6 +64,10 @@ class SieveLayer(CacheLayerMixin):
         self.recent_queries: torch.Tensor | None = None  # [B, H_q, w, D]
         self.recent_query_pos: torch.Tensor | None = None  # [B, w]
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
+        # Static mode (GenerateConfig.static_shapes): every tensor keeps its address between
+        # reallocations (a compaction to the same capacity copies back in place, the query window
+        # is a fixed ring), so a decode step can be replayed from a captured CUDA graph.
+        self.static = False
 
     # ------------------------------------------------------------------ allocation
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -85,8 +89,8 @@ class SieveLayer(CacheLayerMixin):
         if needed <= self.capacity:
             return
         new_cap = max(needed, self.capacity + self.grow_chunk)
-        if self.capacity_hint is not None:
-            new_cap = max(needed, min(new_cap, self.capacity_hint))
+        if self.capacity_hint is not None and needed <= self.capacity_hint:
+            new_cap = min(new_cap, self.capacity_hint)  # past the hint (a long uncompressed prompt): chunks
         extra = new_cap - self.capacity
         B, H, _, D = self.keys.shape
         self.keys = torch.cat([self.keys, self.keys.new_zeros(B, H, extra, D)], dim=2)
@@ -122,6 +126,9 @@ class SieveLayer(CacheLayerMixin):
         """Keep the last ``query_window`` post-RoPE queries ([B, H_q, T, D]) and their positions."""
         if self.query_window <= 0:
             return
+        if self.static:
+            self._remember_in_place(query, query_pos)
+            return
         if self.recent_queries is None:
             self.recent_queries, self.recent_query_pos = query, query_pos
         else:
@@ -129,6 +136,17 @@ class SieveLayer(CacheLayerMixin):
             self.recent_query_pos = torch.cat([self.recent_query_pos, query_pos], dim=1)
         self.recent_queries = self.recent_queries[:, :, -self.query_window :]
         self.recent_query_pos = self.recent_query_pos[:, -self.query_window :]
+
+    def _remember_in_place(self, query: torch.Tensor, query_pos: torch.Tensor) -> None:
+        """Static mode: a window of fixed size and address, oldest first; unfilled entries are
+        padding queries (position DEAD_POS), which window attention gives zero rows."""
+        B, Hq, T, D = query.shape
+        w = self.query_window
+        if self.recent_queries is None or self.recent_queries.shape[0] != B:
+            self.recent_queries = query.new_zeros(B, Hq, w, D)
+            self.recent_query_pos = query_pos.new_full((B, w), DEAD_POS)
+        self.recent_queries.copy_(torch.cat([self.recent_queries, query], dim=2)[:, :, -w:])
+        self.recent_query_pos.copy_(torch.cat([self.recent_query_pos, query_pos], dim=1)[:, -w:])
 
     # ------------------------------------------------------------------ eviction
     def compact(self, kept_idx: torch.Tensor, new_lengths: torch.Tensor, capacity: int, max_len: int) -> None:
@@ -144,12 +162,19 @@ class SieveLayer(CacheLayerMixin):
         if capacity > K:
             kept_idx = torch.cat([kept_idx, kept_idx.new_zeros(B, H, capacity - K)], dim=2)
         D, Dv = self.keys.shape[-1], self.values.shape[-1]
-        self.keys = self.keys.gather(2, kept_idx[..., None].expand(B, H, capacity, D))
-        self.values = self.values.gather(2, kept_idx[..., None].expand(B, H, capacity, Dv))
         dead = torch.arange(capacity, device=self.device) >= new_lengths[..., None]  # [B, H, capacity]
-        for name, t in self.meta.items():
-            self.meta[name] = t.gather(2, kept_idx).masked_fill(dead, self._fill_value(name))
-        self.lengths = new_lengths.clone()
+        gathered = {"keys": self.keys.gather(2, kept_idx[..., None].expand(B, H, capacity, D)),
+                    "values": self.values.gather(2, kept_idx[..., None].expand(B, H, capacity, Dv))}
+        meta = {name: t.gather(2, kept_idx).masked_fill(dead, self._fill_value(name)) for name, t in self.meta.items()}
+        if self.static and capacity == self.capacity:  # same shapes: keep every address
+            self.keys.copy_(gathered["keys"])
+            self.values.copy_(gathered["values"])
+            for name, t in meta.items():
+                self.meta[name].copy_(t)
+            self.lengths.copy_(new_lengths)
+        else:
+            self.keys, self.values, self.meta = gathered["keys"], gathered["values"], meta
+            self.lengths = new_lengths.clone()
         self.capacity = capacity
         self.max_len = max_len
 
@@ -186,7 +211,7 @@ class SieveLayer(CacheLayerMixin):
         for name, t in self.meta.items():
             t.scatter_(2, dst, t.gather(2, src))
             t.masked_fill_(dead, self._fill_value(name))
-        self.lengths = new_len
+        self.lengths.copy_(new_len)
         self.max_len = max_len
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -200,6 +225,15 @@ class SieveLayer(CacheLayerMixin):
             self.recent_queries, self.recent_query_pos = self.recent_queries[rows], self.recent_query_pos[rows]
 
     # ------------------------------------------------------------------ accounting
+    def storage(self) -> tuple:
+        """Addresses and shapes a captured step depends on; any change needs a new capture."""
+        if not self.is_initialized:
+            return ()
+        tensors = [self.keys, self.values, self.lengths, *self.meta.values()]
+        if self.recent_queries is not None:
+            tensors += [self.recent_queries, self.recent_query_pos]
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
+
     def live(self) -> torch.Tensor:
         """[B, H_kv, capacity] bool: slots holding a real token."""
         return self.meta["pos"] != DEAD_POS

@@ -21,8 +21,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .attention import ATTN_IMPLEMENTATION, StepState, check_supported
+from .attention import ATTN_IMPLEMENTATION, check_supported
 from .cache import DEAD_POS, SieveCache
+from .graphs import CapturedStep, forward_step
 from .memory import check_fits
 from .policy import Policy, compress, drop_dead
 from .random_models import RANDOM_NOTE, is_random
@@ -54,6 +55,11 @@ class GenerateConfig:
     progress: bool = False
     ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
     kv_memory_gb: float | None = None  # refuse batches whose planned KV peak exceeds this
+    # Preallocate every layer at its final capacity (prompt + max_new_tokens for full, budget +
+    # interval when bounded) and keep tensors at fixed addresses: same shapes every decode step.
+    static_shapes: bool = False
+    # Replay the decode step from a CUDA graph (CUDA only; implies static_shapes).
+    cuda_graph: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -189,6 +195,14 @@ def _attach(stack: contextlib.ExitStack, model, tokenizer, *hooks) -> list[Calla
     return [cb for cb in callbacks if cb is not None]
 
 
+def _has_attach(scorer) -> bool:
+    """Whether the scorer overrides ``attach`` (it then runs host code around every step)."""
+    from .policy import Scorer
+
+    inner = getattr(scorer, "inner", None)
+    return type(scorer).attach is not Scorer.attach or (inner is not None and _has_attach(inner))
+
+
 def _as_list(x):
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -196,12 +210,7 @@ def _as_list(x):
 def _forward(model, cache: SieveCache, input_ids, query_pos, observer, on_tokens=(), rows=None):
     for hook in on_tokens:
         hook(input_ids, query_pos, rows)
-    cache.begin_step(query_pos)
-    state = StepState(cache=cache, query_pos=query_pos, observer=observer)
-    rope_pos = query_pos.masked_fill(query_pos == DEAD_POS, 0)  # padding: any finite position
-    out = model(input_ids=input_ids, position_ids=rope_pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1, kvsieve=state)
-    return out.logits[:, -1]
+    return forward_step(model, cache, input_ids, query_pos, observer)
 
 
 @torch.inference_mode()
@@ -226,6 +235,9 @@ def generate(
     if on_token is not None:
         config = GenerateConfig(**{**asdict(config), "check_every": 1})
     check_supported(model)
+    if config.cuda_graph and (steering is not None or (policy.scorer is not None and _has_attach(policy.scorer))):
+        raise ValueError("cuda_graph cannot replay per-token host hooks (SkipKV sentences, steering); "
+                         "drop cuda_graph for this method")
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
     device = model.device
@@ -240,7 +252,9 @@ def generate(
     budgets = policy.layer_budgets(num_layers)
     scorer = policy.scorer
     cache = SieveCache(num_layers, meta_init=scorer.meta_init if scorer else None, grow_chunk=config.grow_chunk)
+    static = config.static_shapes or config.cuda_graph
     for layer, budget in zip(cache.layers, budgets):
+        layer.static = static
         layer.query_window = scorer.query_window() if scorer else 0
         # never allocate past what the run can need: budget + interval, or the whole sequence
         longest = input_ids.shape[1] + config.max_new_tokens
@@ -268,6 +282,10 @@ def generate(
             tracker.record()
             if compress(cache, policy, budgets):
                 tracker.event()
+        if static:  # room for every append until the next compression (or the end, for full)
+            for layer in cache.layers:
+                layer.reserve(max(layer.capacity_hint, layer.max_len + (policy.interval if scorer else 0)))
+            tracker.bytes()
         next_token = sample(logits, config, generator)
         _sync(device)
         prefill_s = time.perf_counter() - t0
@@ -342,6 +360,7 @@ def _decode(model, cache, policy, budgets, config, run, tracker, next_token, obs
     checked = 0
     decode_start = time.perf_counter()
     bar = _progress(config)
+    captured = CapturedStep(model, cache, observer) if config.cuda_graph else None
     for step in range(config.max_new_tokens):
         out_tokens[:, step] = next_token
         last = step == config.max_new_tokens - 1
@@ -362,7 +381,10 @@ def _decode(model, cache, policy, budgets, config, run, tracker, next_token, obs
         if last:
             break
         query_pos = cache.seen_tokens[:, None]
-        logits = _forward(model, cache, next_token[:, None], query_pos, observer, run.on_tokens, run.rows)
+        if captured is not None:
+            logits = captured(next_token[:, None], query_pos)
+        else:
+            logits = _forward(model, cache, next_token[:, None], query_pos, observer, run.on_tokens, run.rows)
         cache.seen_tokens = cache.seen_tokens + 1
         tracker.step = step + 1
         tracker.bytes()

@@ -70,5 +70,5 @@ def observe_timestamps(layer, probs: torch.Tensor, query_pos: torch.Tensor, alph
         # TS_{t-1} seen by each query: the old TS, then activations of earlier queries of this call
         before = torch.cat([ts[:, :, None], hit[:, :, :-1]], dim=2).cummax(dim=2).values
         gap = (hit - before).amax(dim=2)  # -inf where never activated in this call
-        layer.meta["mri"] = torch.maximum(layer.meta["mri"], gap)  # Eq. (1)
-    layer.meta["ts"] = new_ts
+        torch.maximum(layer.meta["mri"], gap, out=layer.meta["mri"])  # Eq. (1), in place
+    layer.meta["ts"].copy_(new_ts)  # in place: per-token state keeps its address (captured steps)

@@ -148,7 +148,7 @@ class LazyEviction(Scorer):
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap]; T > 1 only for prefill chunks
         if probs.shape[3] > 1 and not self.observe_prompt:
-            layer.meta["ts"] = born_timestamps(layer)
+            layer.meta["ts"].copy_(born_timestamps(layer))
             return
         observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=True)
 

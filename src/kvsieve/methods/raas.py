@@ -64,7 +64,7 @@ class RaaS(Scorer):
         # cached during prefill is prompt.  (A final prefill chunk of one token is taken for
         # a decode step: the engine does not say which phase it is in.)
         if probs.shape[3] > 1:
-            layer.meta["prompt"] = layer.live().to(torch.float32)
+            layer.meta["prompt"].copy_(layer.live())
         observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=False)
 
     def score(self, layer, seen_tokens):
