@@ -59,6 +59,7 @@ class Scorer:
     default_sinks: ClassVar[int] = 0
     recent_doc: ClassVar[str] = "0"  # how default_recent depends on the budget, for `kvsieve methods`
     default_interval: ClassVar[int] = 1
+    interval_doc: ClassVar[str | None] = None  # how the interval depends on settings, for `kvsieve methods`
     default_compress_prefill: ClassVar[bool] = True  # Policy's compress_prefill when the user sets none
     # True if scores are per token and ignore which slot neighbours which (no pooling along the
     # slots, no partitions): the engine may then evict in place (SieveLayer.evict), moving the

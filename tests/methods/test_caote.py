@@ -5,7 +5,10 @@ on the bundled SmolLM2 (budget >= length is exact; block-wise prefill stays with
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +19,7 @@ from kvsieve.attention import StepState, sieve_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
 from kvsieve.methods.caote import caote_errors
+from kvsieve.methods.tova import TOVA
 from kvsieve.policy import indices_from_mask
 
 gen_module = importlib.import_module("kvsieve.generate")
@@ -248,3 +252,47 @@ def test_block_wise_prefill_and_decode_stay_within_budget(smollm, monkeypatch):
     assert all(before <= budget + block for _, before in in_prefill)  # never more than one block over
     assert all(max(s.peak_kv_tokens) <= 3 * (budget + block) for s in result.stats)
     assert all(s.compression_events >= 10 for s in result.stats)
+
+
+@dataclass
+class _AttachCounting(TOVA):
+    """TOVA plus an ``attach`` that logs its entry, exit and every callback call (test only, not registered)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.log: list = []
+
+    @contextlib.contextmanager
+    def attach(self, model, tokenizer):
+        self.log.append("enter")
+        try:
+            yield lambda token_ids, query_pos, rows: self.log.append(("tokens", token_ids.shape[0]))
+        finally:
+            self.log.append("exit")
+
+
+@pytest.mark.parametrize("prefix", sorted(WRAPPERS))
+def test_every_wrapper_forwards_attach_once_per_generate_call(smollm, prefix):
+    """``generate`` enters ``policy.scorer.attach`` once per call; a wrapper must hand that to its base
+    (SkipKV builds its sentence table there), including the per-forward callback the base yields."""
+    base = _AttachCounting(heads="group")
+    policy = make_policy(f"{prefix}:tova", budget=24, heads="group", recent=4, interval=2)
+    policy = dataclasses.replace(policy, scorer=type(policy.scorer)(base))
+    config = GenerateConfig(max_new_tokens=6, prefill_chunk=16)
+    for call in (1, 2):
+        generate(*smollm, [SHORT, LONG], policy, config)
+        assert base.log.count("enter") == base.log.count("exit") == call
+        assert base.log[0] == "enter" and base.log[-1] == "exit"
+    forwards = [entry for entry in base.log if entry not in ("enter", "exit")]
+    assert forwards and all(rows == 2 for _, rows in forwards)  # called before every forward, both rows
+
+
+def test_caote_over_skipkv_sees_sentences(smollm, recwarn):
+    """``caote:skipkv``: SkipKV's attach runs through the wrapper, so its sentence table fills and no
+    "runs without its attach() hook" warning is raised when it scores."""
+    policy = make_policy("caote:skipkv", budget=40, interval=4)
+    result = generate(*smollm, [SHORT, LONG], policy, GenerateConfig(max_new_tokens=12, prefill_chunk=CAOTE_BLOCK))
+    assert all(s.compression_events > 0 for s in result.stats)
+    assert not [w for w in recwarn if "attach" in str(w.message)]
+    table = policy.scorer.inner.sentences
+    assert table is not None and table.rows is not None and int(table.open.max()) > 0

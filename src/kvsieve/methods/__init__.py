@@ -100,7 +100,7 @@ def describe_methods() -> list[dict]:
     for name in sorted(SCORERS):
         cls = SCORERS[name]
         params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
-        schedule = {"sinks": cls.default_sinks, "recent": cls.recent_doc, "interval": cls.default_interval}
+        schedule = {"sinks": cls.default_sinks, "recent": cls.recent_doc, "interval": cls.interval_doc or cls.default_interval}
         rows.append({"name": name, "summary": cls.summary, "params": {**params, **schedule}, "source": cls.source})
     for prefix in sorted(WRAPPERS):
         cls = WRAPPERS[prefix]

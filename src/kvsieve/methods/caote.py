@@ -54,7 +54,10 @@ def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor,
         out = out[:, :, None]  # [B, H, 1, D]
     else:
         out = h @ v  # [B, H, G, D]: o = V H_norm^T (Eq. 20)
-    dist = (v[:, :, None] - out[..., None, :]).norm(dim=-1)  # [B, H, G, S] ||o - v_j||
+    # ||o - v_j|| for every j without materialising the [B, H, G, S, D] differences:
+    # ||v_j||^2 - 2 o.v_j + ||o||^2, one matmul (this made caote:<base> cheap enough for every step)
+    sq = v.square().sum(dim=-1)[:, :, None] - 2 * out @ v.transpose(-1, -2) + out.square().sum(dim=-1, keepdim=True)
+    dist = sq.clamp(min=0).sqrt()  # [B, H, G, S]
     # deviation: Eq. (8) is undefined at h_j = 1 (the rest has no weight to renormalise);
     # such a token scores +inf, since evicting it would empty the output.
     return torch.where(h < 1, h / (1 - h).clamp(min=torch.finfo(h.dtype).tiny) * dist, float("inf"))

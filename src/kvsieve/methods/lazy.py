@@ -111,6 +111,7 @@ class LazyEviction(Scorer):
 
     summary = "lagged eviction every W steps: W recent + top B-W by MRI-centric importance"
     slot_order_free = True  # per-token scores: the engine may evict in place
+    interval_doc = "window (W)"
     source = ("LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / App. C "
               "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated)")
     meta_init = {"ts": TS_UNSET, "mri": 0.0}  # new tokens: born now (TS = own position), MRI 0 (Sec. 4)
