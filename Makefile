@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEFAULT_MODEL := smollm2-135m
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# On the GPU machine (torch with CUDA preinstalled, no registry): no venv, the source tree only.
+test-gpu:
+	PYTHONPATH=src $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
 
 bench: setup
 	$(PY) benchmarks/bench_engine.py
