@@ -119,6 +119,18 @@ def test_per_query_head_base_scores_average_back_to_the_bases_own_score(base, se
                 assert torch.allclose(per_head[b, h, g][layer.live()[b, h]], row[layer.live()[b, h]], atol=1e-6)
 
 
+@pytest.mark.parametrize("heads", ["layer", "group"])
+def test_tova_per_query_head_fast_path_equals_repeating_kv_onto_query_heads(heads):
+    from kvsieve.methods.caote import _PerQueryHead
+
+    layer, seen = decode_cache(6)
+    tova = make_policy("tova", budget=8, heads=heads).scorer
+    fast = tova.score_per_query_head(layer, seen)
+    slow = tova.score(_PerQueryHead(layer, G), seen).reshape(B, H, G, -1)
+    live = layer.live()[:, :, None].expand_as(fast)
+    assert torch.allclose(fast[live], slow[live], rtol=1e-5, atol=1e-7)
+
+
 def test_fastcaote_replaces_the_output_by_the_mean_value_eq_22():
     layer, seen = decode_cache(1)
     scores = make_policy("fastcaote:tova", budget=4, heads="group").scorer.score(layer, seen)

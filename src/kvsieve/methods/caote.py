@@ -137,6 +137,8 @@ class CAOTE(Scorer):
         group = queries.shape[1] // H if self.inner.query_window() > 0 and queries is not None else 1
         if group == 1:
             return self.inner.score(layer, seen_tokens)[:, :, None]
+        if hasattr(self.inner, "score_per_query_head"):  # no K/V copy per query head (TOVA)
+            return self.inner.score_per_query_head(layer, seen_tokens)
         return self.inner.score(_PerQueryHead(layer, group), seen_tokens).reshape(B, H, group, -1)
 
     def score(self, layer, seen_tokens):

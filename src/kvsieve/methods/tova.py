@@ -37,6 +37,14 @@ class TOVA(Scorer):
     def needs_aligned_heads(self):
         return self.heads == "layer"
 
+    def score_per_query_head(self, layer, seen_tokens):
+        """[B, H_kv, G, cap]: the same scores before the reduction onto kv heads (for CAOTE's
+        per-head errors, App. B.2), without repeating K/V onto the query heads."""
+        last = window_attention(layer)[:, :, :, -1]  # [B, H_kv, G, cap]
+        if self.heads == "layer":
+            return last.mean(dim=(1, 2), keepdim=True).expand_as(last)
+        return last
+
     def score(self, layer, seen_tokens):
         last = window_attention(layer)[:, :, :, -1]  # [B, H_kv, G, cap]
         per_head = reduce_group(last, "mean")  # [B, H_kv, cap]
