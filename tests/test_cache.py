@@ -167,12 +167,13 @@ def test_compact_equals_dense_gather_of_kept_slots_for_keys_values_and_meta(seed
             assert (layer.meta["acc"][b, h, n:] == 0.0).all()
 
 
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("seed", range(8))
-def test_evict_in_place_keeps_the_same_tokens_as_a_dense_gather_without_reallocating(seed):
+def test_evict_in_place_keeps_the_same_tokens_as_a_dense_gather_without_reallocating(seed, m):
     """``evict`` drops drop_count[b, h] of the candidate slots; the survivors are exactly the
     dense gather's (as a set, with K/V/meta attached), packed into slots 0..len-1."""
     g = torch.Generator().manual_seed(seed)
-    Bn, Hn, S, m = 2, 3, 12, 4
+    Bn, Hn, S = 2, 3, 12
     cache = SieveCache(1, meta_init={"acc": 0.0})
     layer = cache.layers[0]
     layer.capacity_hint = S + 2

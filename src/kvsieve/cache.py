@@ -189,6 +189,9 @@ class SieveLayer(CacheLayerMixin):
         bound on the lengths.
         """
         B, H, m = drop_idx.shape
+        if m == 1:  # every-step eviction: about half the operations of the general case
+            self._evict_one(drop_idx, drop_count, max_len)
+            return
         step = torch.arange(m, device=self.device)
         new_len = self.lengths - drop_count  # [B, H]
         dropped = step < drop_count[..., None]  # [B, H, m]: which candidates really go
@@ -212,6 +215,23 @@ class SieveLayer(CacheLayerMixin):
             t.scatter_(2, dst, t.gather(2, src))
             t.masked_fill_(dead, self._fill_value(name))
         self.lengths.copy_(new_len)
+        self.max_len = max_len
+
+    def _evict_one(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int) -> None:
+        """``evict`` with m = 1: the last live token moves into the dropped slot (a self-copy
+        when it is the dropped one, or when nothing goes: drop_count 0)."""
+        B, H, _ = drop_idx.shape
+        drop = drop_count[..., None]  # [B, H, 1], 0 or 1
+        vacated = self.lengths[..., None] - drop  # the new end: a dead slot when nothing goes
+        src = torch.where(drop > 0, vacated, drop_idx)
+        for name in ("keys", "values"):
+            store = getattr(self, name)
+            width = store.shape[-1]
+            store.scatter_(2, drop_idx[..., None].expand(B, H, 1, width), store.gather(2, src[..., None].expand(B, H, 1, width)))
+        for name, t in self.meta.items():
+            t.scatter_(2, drop_idx, t.gather(2, src))
+            t.scatter_(2, vacated, self._fill_value(name))
+        self.lengths.sub_(drop_count)
         self.max_len = max_len
 
     def select_rows(self, rows: torch.Tensor) -> None:
