@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvsieve.cli import app
@@ -40,3 +42,55 @@ def test_generate_json_on_the_bundled_model(smollm):
         assert {"text", "generated_tokens", "peak_kv_tokens", "peak_kv_bytes", "tokens_per_s", "settings"} <= set(row)
         assert row["settings"]["method"] == "tova" and row["settings"]["budget"] == 16
         assert 0 < row["generated_tokens"] <= 12
+
+
+# ---------------------------------------------------------------------------- --steering
+@pytest.fixture(scope="module")
+def vector_files(smollm, tmp_path_factory):
+    """A steering vector for the bundled model (random direction: the CLI only has to apply it) and
+    the same vector labelled as built for another model."""
+    from kvsieve.steering import SteeringVector, default_layer, model_fingerprint, model_name
+
+    model, _ = smollm
+    directory = tmp_path_factory.mktemp("steering")
+    config = model.config
+    mine = SteeringVector(torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0)),
+                          default_layer(config.num_hidden_layers), model_name(model), model_fingerprint(model),
+                          {"direction": "execution_minus_others"})
+    mine.save(directory / "mine.pt")
+    other = SteeringVector(mine.vector, mine.layer, "Other-7B", {**mine.fingerprint, "num_hidden_layers": 28})
+    other.save(directory / "other.pt")
+    return directory / "mine.pt", directory / "other.pt", mine
+
+
+def generate_json(*args):
+    result = runner.invoke(app, ["generate", "--method", "tova", "--budget", "24", "--max-new-tokens", "10",
+                                 "--json", *args, "What is 2 plus 2?"])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")][0]
+
+
+def test_generate_applies_a_saved_steering_vector(smollm, vector_files):
+    path, _, vector = vector_files
+    plain = generate_json()
+    assert "steering" not in plain["settings"]
+    zero = generate_json("--steering", str(path), "--steering-set", "alpha0=0", "--steering-set", "gamma=0")
+    assert zero["text"] == plain["text"]  # strength 0: the hook is in place but adds nothing
+    steered = generate_json("--steering", str(path), "--steering-set", "alpha0=8")
+    assert steered["text"] != plain["text"]  # a real strength acts
+    recorded = steered["settings"]["steering"]
+    assert (recorded["alpha0"], recorded["gamma"], recorded["layer"]) == (8, 0.02, vector.layer)
+    assert recorded["vector_sha256"] == vector.digest()
+
+
+def test_generate_refuses_a_vector_built_for_another_model(smollm, vector_files):
+    from kvsieve.steering import model_name
+
+    _, other, _ = vector_files
+    result = runner.invoke(app, ["generate", "--steering", str(other), "--max-new-tokens", "2", "hi"],
+                           env={"COLUMNS": "250"})
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "built for Other-7B" in text and f"not for {model_name(smollm[0])}" in text
+    result = runner.invoke(app, ["generate", "--steering-set", "alpha0=1", "hi"], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "needs --steering FILE" in " ".join(result.output.split())

@@ -349,3 +349,115 @@ def test_cli_report_and_usage_errors(tmp_path):
     result = runner.invoke(app, ["eval", "--model", "smollm2-135m", "--dataset", "gsm8k", "--methods", "tova",
                                  "--set", "tova.bogus=1", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "bogus" in result.output
+
+
+# ---------------------------------------------------------------------------- steering (+steer labels)
+@pytest.fixture(scope="module")
+def steering_files(smollm, tmp_path_factory):
+    """A vector for the bundled model, the same values under another name's file, a second vector
+    with other values, and one built for another model."""
+    import torch
+
+    from kvsieve.steering import SteeringVector, default_layer, model_fingerprint, model_name
+
+    model, _ = smollm
+    directory = tmp_path_factory.mktemp("steering")
+    g = torch.Generator().manual_seed(0)
+    config = model.config
+
+    def save(name, vector, owner=None, fingerprint=None):
+        vec = SteeringVector(vector, default_layer(config.num_hidden_layers), owner or model_name(model),
+                             fingerprint or model_fingerprint(model), {"direction": "execution_minus_others"})
+        vec.save(directory / name)
+        return str(directory / name)
+
+    first = torch.randn(config.hidden_size, generator=g)
+    return {"a": save("a.pt", first), "a_copy": save("a_copy.pt", first),
+            "b": save("b.pt", torch.randn(config.hidden_size, generator=g)),
+            "other": save("other.pt", first, "Other-7B", {**model_fingerprint(model), "hidden_size": 3584})}
+
+
+def test_steered_labels_are_cells_of_their_own(steering_files):
+    config = EvalConfig(model="m", dataset="gsm8k", out="x", methods=("skipkv", "skipkv+steer", "full+steer"),
+                        budgets=(64,), steering=steering_files["a"])
+    assert config.cells() == [("full", None), ("skipkv", 64), ("skipkv+steer", 64), ("full+steer", None)]
+    settings = config.result_fields()["settings"]
+    assert "steering" not in settings["skipkv"]
+    assert settings["skipkv+steer"]["steering"] == settings["full+steer"]["steering"] == config.steering_identity()
+    assert settings["skipkv+steer"]["steering"]["alpha0"] == 1.0  # the paper preset for an E - O vector
+    with pytest.raises(ValueError, match=r"\['skipkv\+steer'\] need a steering vector: pass --steering FILE"):
+        EvalConfig(model="m", dataset="gsm8k", out="x", methods=("skipkv+steer",))
+    with pytest.raises(ValueError, match=r"only by methods labelled <method>\+steer"):
+        EvalConfig(model="m", dataset="gsm8k", out="x", methods=("skipkv",), steering=steering_files["a"])
+    with pytest.raises(ValueError, match="unknown steering setting"):
+        EvalConfig(model="m", dataset="gsm8k", out="x", methods=("tova+steer",), steering=steering_files["a"],
+                   steering_settings={"strength": 2})
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        EvalConfig(model="m", dataset="gsm8k", out="x", methods=("nope+steer",), steering=steering_files["a"])
+
+
+def test_settings_of_a_method_reach_its_steered_label():
+    out = split_settings({"recent": 8, "tova.heads": "group", "tova+steer.interval": 2},
+                         ("full+steer", "tova", "tova+steer"))
+    assert out == {"tova": {"recent": 8, "heads": "group"}, "tova+steer": {"recent": 8, "heads": "group", "interval": 2}}
+    with pytest.raises(ValueError, match="not in --methods"):
+        split_settings({"tova+steer.heads": "group"}, ("tova",))
+
+
+def test_manifest_keys_steering_by_vector_content_not_path(steering_files, tmp_path):
+    def config(path, **kw):
+        return EvalConfig(model="m", dataset="gsm8k", out=str(tmp_path), methods=("tova", "tova+steer"),
+                          steering=path, **kw)
+
+    check_manifest(tmp_path, config(steering_files["a"]).result_fields())
+    check_manifest(tmp_path, config(steering_files["a_copy"]).result_fields())  # moved file, same vector: resumes
+    with pytest.raises(ValueError, match="settings of tova\\+steer"):
+        check_manifest(tmp_path, config(steering_files["b"]).result_fields())
+    with pytest.raises(ValueError, match="settings of tova\\+steer"):
+        check_manifest(tmp_path, config(steering_files["a"], steering_settings={"alpha0": 2.0}).result_fields())
+
+
+def test_grid_runs_steered_and_unsteered_rows_side_by_side(smollm, gsm_file, steering_files, tmp_path):
+    model, tok = smollm
+    zero = tiny_config(tmp_path / "zero", gsm_file, methods=("tova", "tova+steer"), steering=steering_files["a"],
+                       steering_settings={"alpha0": 0.0, "gamma": 0.0})
+    run_grid(zero, model, tok, progress=False)
+    rows = keyed(load_results(zero.out))
+    assert set(rows) == {(i, m, b) for i in ("0", "1") for m, b in (("full", None), ("tova", 32), ("tova+steer", 32))}
+    for i in ("0", "1"):
+        plain, steered = rows[(i, "tova", 32)], rows[(i, "tova+steer", 32)]
+        assert "steering" not in plain["settings"] and "steering" not in rows[(i, "full", None)]["settings"]
+        assert steered["settings"]["steering"] == zero.steering_identity()
+        assert steered["settings"]["method"] == "tova" and steered["text"] == plain["text"]  # strength 0: no change
+    labels = [s.label for s in summarize(list(rows.values()))]
+    assert labels == ["full", "tova@32", "tova+steer@32"]
+    strong = tiny_config(tmp_path / "strong", gsm_file, methods=("tova+steer",), steering=steering_files["a"],
+                         steering_settings={"alpha0": 8.0})
+    run_grid(strong, model, tok, progress=False)
+    steered = keyed(load_results(strong.out))
+    assert any(steered[(i, "tova+steer", 32)]["text"] != rows[(i, "tova", 32)]["text"] for i in ("0", "1"))
+
+
+def test_a_vector_for_another_model_fails_before_any_row(smollm, gsm_file, steering_files, tmp_path):
+    from kvsieve.steering import SteeringModelError, model_name
+
+    model, tok = smollm
+    config = tiny_config(tmp_path, gsm_file, methods=("tova+steer",), steering=steering_files["other"])
+    with pytest.raises(SteeringModelError, match=f"built for Other-7B .* not for {model_name(model)}"):
+        run_grid(config, model, tok, progress=False)
+    assert load_results(tmp_path) == []
+
+
+def test_cli_eval_steering_errors_name_the_fix(smollm, gsm_file, steering_files, tmp_path):
+    from kvsieve.steering import model_name
+
+    runner, app = CliRunner(), make_app()
+    base = ["eval", "--model", "smollm2-135m", "--dataset", "gsm8k", "--data", gsm_file, "--limit", "1",
+            "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path)]
+    result = runner.invoke(app, [*base, "--methods", "tova+steer"], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "pass --steering FILE" in " ".join(result.output.split())
+    result = runner.invoke(app, [*base, "--methods", "tova+steer", "--steering", steering_files["other"]],
+                           env={"COLUMNS": "250"})
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "built for Other-7B" in text and f"not for {model_name(smollm[0])}" in text
+    assert load_results(tmp_path) == []

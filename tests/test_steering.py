@@ -152,3 +152,30 @@ def test_grouping_changes_no_row_in_kvsieve(smollm):
     assert lengths[1] - lengths[0] > grouped.stats[1].prompt_tokens - grouped.stats[0].prompt_tokens
     assert mixed.token_ids[0] == grouped.token_ids[0]
     assert mixed.stats[0].peak_kv_tokens == grouped.stats[0].peak_kv_tokens == [3 * (44 + 4)] * 30
+
+
+def test_preset_follows_the_vectors_sign_and_takes_overrides():
+    fingerprint = {"model_type": "llama", "hidden_size": 4, "num_hidden_layers": 2, "vocab_size": 10}
+    paper = SteeringVector(torch.ones(4), 1, "m", fingerprint, {"direction": "execution_minus_others"})
+    released = SteeringVector(-torch.ones(4), 1, "m", fingerprint, {"direction": "others_minus_execution"})
+    assert Steering.preset(paper) == Steering(paper)  # alpha0 1, gamma 0.02, every position
+    assert Steering.preset(released) == Steering.released(released)
+    tuned = Steering.preset(paper, alpha0=1.25, positions="paragraph")
+    assert (tuned.alpha0, tuned.gamma, tuned.positions) == (1.25, 0.02, "paragraph")
+    with pytest.raises(ValueError, match=r"unknown steering setting\(s\) \['alpha'\]; allowed"):
+        Steering.preset(paper, alpha=1.0)
+    with pytest.raises(ValueError, match="positions must be"):
+        Steering.preset(paper, positions="some")
+    # settings name the vector by content: equal build settings, other values -> another digest
+    assert Steering(paper).settings()["vector_sha256"] != Steering(released).settings()["vector_sha256"]
+
+
+def test_read_names_the_fix_for_files_that_are_not_vectors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; build one with: python -m kvsieve.steering build"):
+        SteeringVector.read(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_text("not a tensor file")
+    with pytest.raises(ValueError, match="is not a steering vector file"):
+        SteeringVector.read(tmp_path / "junk.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="is not a steering vector file .expected the fields"):
+        SteeringVector.read(tmp_path / "other.pt")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvsieve.analysis.trace import Trace, TraceRecorder, _Recording, draw_heatmap, record_trace
-from kvsieve.cache import DEAD_POS
+from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.generate import GenerateConfig, generate
 from kvsieve.methods import make_policy
 
@@ -75,15 +75,103 @@ class FakeLayer:
 def test_reads_exclude_tokens_appended_after_the_compression():
     recording = _Recording(Trace())
     layer = FakeLayer([[[0, 5, 9, 10, DEAD_POS]]])  # position 10 was appended after compressing at seen=10
-    recording.pending.append((recording.number(layer), layer, torch.tensor([10])))
+    recording.compressed(layer, torch.tensor([10]))
     recording.flush()
     assert recording.trace.kept[0].tolist() == [0, 5, 9]
-    shrunk = FakeLayer([[[1, 2]]])  # one row left the batch before the read: dropped, counted
-    recording.pending.append((recording.number(shrunk), shrunk, torch.tensor([5, 6])))
+    shrunk = FakeLayer([[[1, 2]]])  # not attached: a row left before the read and none is known
+    recording.compressed(shrunk, torch.tensor([5, 6]))
     recording.flush()
     assert len(recording.trace) == 1 and recording.trace.lost == 2 and recording.number(shrunk) == 1
+
+
+def test_reads_after_rows_left_are_attributed_to_prompt_indices():
+    """Prompts 0, 1, 2 compress at seen 7, 8, 9; prompt 0 leaves before the read, so cache row 0
+    now holds prompt 1 and cache row 1 prompt 2.  Each read goes to its prompt with that prompt's
+    seen_tokens; prompt 0's heads are counted lost.  A later compression uses the new mapping."""
+    recording = _Recording(Trace())
+    recording.follow(torch.tensor([0, 1, 2]))
+    layer = FakeLayer([[[0, 6], [1, 6]], [[0, 7], [2, 7]], [[0, 8], [3, 8]]])
+    recording.compressed(layer, torch.tensor([7, 8, 9]))
+    layer.meta["pos"] = layer.meta["pos"][[1, 2]]  # cache.select_rows([1, 2])
+    recording.follow(torch.tensor([1, 2]))
+    trace = recording.trace
+    assert (trace.row, trace.seen, trace.head, trace.lost) == ([1, 1, 2, 2], [8, 8, 9, 9], [0, 1, 0, 1], 2)
+    assert [k.tolist() for k in trace.kept] == [[0, 7], [2, 7], [0, 8], [3, 8]]
+    recording.compressed(layer, torch.tensor([10, 11]))
+    recording.flush()
+    assert trace.row[4:] == [1, 1, 2, 2] and trace.seen[4:] == [10, 10, 11, 11]
+
+
+def test_a_wrapped_policy_records_one_generate_call(smollm):
+    model, tok = smollm
+    policy = TraceRecorder().wrap(make_policy("streaming", budget=20))
+    generate(model, tok, [PROMPT], policy, GenerateConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="one generate call: call recorder.finish"):
+        generate(model, tok, [PROMPT], policy, GenerateConfig(max_new_tokens=2))
 
 
 def test_full_cannot_be_traced():
     with pytest.raises(ValueError, match="evicts nothing"):
         TraceRecorder().wrap(make_policy("full"))
+
+
+# ---------------------------------------------------------------------------- rows leaving mid-generation
+SHORT_FIRST = [[{"role": "user", "content": "What is 7 times 8?"}], PROMPT]
+BUDGET, SINKS, CHECK_EVERY = 20, 4, 4
+
+
+def streaming_kept(seen: int) -> np.ndarray:
+    """What StreamingLLM at BUDGET holds after compressing at ``seen``: sinks, then the newest tokens."""
+    return np.array(sorted(set(range(SINKS)) | set(range(max(0, seen - (BUDGET - SINKS)), seen))))
+
+
+@pytest.fixture(scope="module")
+def early_stop(smollm):
+    """(config, eos id) under which prompt 0 ends with "eos" several compressions before prompt 1 ends:
+    the eos id is a token prompt 0 generates at step 9 that prompt 1 never generates (found by a
+    plain greedy run: tracing does not change what is generated)."""
+    model, tok = smollm
+    config = GenerateConfig(max_new_tokens=24, ignore_eos=True)
+    plain = generate(model, tok, SHORT_FIRST, make_policy("streaming", budget=BUDGET), config)
+    first, second = plain.token_ids
+    stop = next(t for t in first[9:] if t not in first[:9] and t not in second)
+    return GenerateConfig(max_new_tokens=24, check_every=CHECK_EVERY), stop
+
+
+def traced_with_early_stop(smollm, early_stop, monkeypatch):
+    """Trace SHORT_FIRST with prompt 0 ending early."""
+    model, tok = smollm
+    config, stop = early_stop
+    monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
+    recorder = TraceRecorder()
+    policy = recorder.wrap(make_policy("streaming", budget=BUDGET))
+    result = generate(model, tok, SHORT_FIRST, policy, config)
+    assert [s.finish_reason for s in result.stats] == ["eos", "length"]
+    assert result.stats[0].generated_tokens < result.stats[1].generated_tokens
+    return recorder.finish(), result
+
+
+def check_rows(trace, result, model):
+    """Every record sits under its own prompt's index, at one of that prompt's compressions, and holds
+    exactly what StreamingLLM keeps there; returns each prompt's (records, records expected)."""
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    counts = []
+    for row, stat in enumerate(result.stats):
+        mine = [i for i in range(len(trace)) if trace.row[i] == row]
+        assert len(trace.steps(row)) == stat.compression_events > 0
+        # a row decodes up to check_every - 1 tokens past its stop before it leaves (and compresses them)
+        assert max(trace.steps(row)) < stat.prompt_tokens + stat.generated_tokens + CHECK_EVERY
+        for i in mine:
+            assert np.array_equal(trace.kept[i], streaming_kept(trace.seen[i])), (row, trace.seen[i])
+        counts.append((len(mine), stat.compression_events * layers * heads))
+    assert set(trace.row) == {0, 1}
+    return counts
+
+
+def test_rows_leaving_the_batch_keep_their_prompt_index_and_lose_nothing(smollm, early_stop, monkeypatch):
+    """generate() drops finished rows (cache.select_rows): cache row 0 is then prompt 1.  Records
+    carry prompt indices, and generate's before_select_rows hook lets the recorder read the
+    leaving prompt's last records first, so nothing is lost."""
+    trace, result = traced_with_early_stop(smollm, early_stop, monkeypatch)
+    (got0, want0), (got1, want1) = check_rows(trace, result, smollm[0])
+    assert (got0, got1, trace.lost) == (want0, want1, 0)

@@ -31,6 +31,20 @@ def _policy(method, budget, allocator, sinks, recent, interval, settings):
         raise typer.BadParameter(str(err)) from None
 
 
+def _steering(path: str | None, settings: dict):
+    """The steering read from ``path`` (checked against the model once it is loaded), or None."""
+    from .steering import Steering, SteeringVector
+
+    if path is None:
+        if settings:
+            raise typer.BadParameter("--steering-set needs --steering FILE")
+        return None
+    try:
+        return Steering.preset(SteeringVector.read(path), **settings)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--steering") from None
+
+
 def _load(model: str, device: str, dtype: str):
     from .models import load_model
 
@@ -75,11 +89,18 @@ def generate(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
+    steering_file: Optional[str] = typer.Option(
+        None, "--steering", metavar="FILE",
+        help="SkipKV adaptive steering vector (python -m kvsieve.steering build --model M --out FILE); it must "
+             "have been built for --model. Vectors built with --released steer with the release preset."),
+    steering_set: List[str] = typer.Option(
+        [], "--steering-set", help="Steering setting key=value: alpha0, gamma or positions (repeatable)."),
 ):
     """Generate with a compressed KV cache and print the text with its stats."""
     from .generate import GenerateConfig, generate as run_generate
 
     policy = _policy(method, budget, allocator, sinks, recent, interval, _pairs(set_, "--set"))
+    steering = _steering(steering_file, _pairs(steering_set, "--steering-set"))
     if prefill_chunk is None:  # block-wise prefill methods (CAOTE: 128) carry their paper's block size
         prefill_chunk = getattr(policy.scorer, "prefill_chunk", None) or 512
     try:
@@ -92,9 +113,15 @@ def generate(
     lm, tokenizer = _load(model, device, dtype)
     if model.startswith("random:"):
         console.print("[bold yellow]random weights: speed only[/]")
+    if steering is not None:
+        try:
+            steering.vector.check(lm, steering_file)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--steering") from None
+    label = policy.name + (" +steering" if steering is not None else "")
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
-        result = run_generate(lm, tokenizer, batch, policy, config)
+        result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
         for prompt, text, stat in zip(batch, result.texts, result.stats):
             if as_json:
                 print(json.dumps({
@@ -109,7 +136,7 @@ def generate(
             table = Table(show_header=True)
             for col in ("method", "generated", "peak KV tokens (max layer)", "peak KV bytes", "tokens/s", "compressions"):
                 table.add_column(col)
-            table.add_row(policy.name, str(stat.generated_tokens), str(max(stat.peak_kv_tokens, default=0)),
+            table.add_row(label, str(stat.generated_tokens), str(max(stat.peak_kv_tokens, default=0)),
                           f"{stat.peak_kv_bytes:,}", f"{stat.tokens_per_s:.1f}", str(stat.compression_events))
             console.print(table)
 

@@ -375,6 +375,8 @@ def _decode(model, cache, policy, budgets, config, run, tracker, next_token, obs
                 if not run.active:
                     break
                 keep_t = torch.tensor(keep, device=device)
+                if policy.scorer is not None:
+                    policy.scorer.before_select_rows(keep_t)
                 cache.select_rows(keep_t)
                 run.rows = run.rows[keep_t]
                 out_tokens, next_token = out_tokens[keep_t], next_token[keep_t]

@@ -87,6 +87,10 @@ class Scorer:
         tokens per row (only scorers with ``fits_budget``, e.g. LagKV)."""
         raise NotImplementedError(f"{self.name} has no budget-to-settings rule")
 
+    def before_select_rows(self, keep: torch.Tensor) -> None:
+        """Called right before finished rows leave the cache: ``keep`` [B'] are the cache rows
+        that stay (the trace recorder reads pending records of the leaving rows here)."""
+
     def needs_aligned_heads(self) -> bool:
         """True if scores are combined across kv heads slot by slot, which needs every head
         of a layer to hold the same tokens (so no ragged per-head allocator)."""

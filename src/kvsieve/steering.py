@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -126,15 +127,41 @@ class SteeringVector:
         torch.save({**asdict(self), "vector": self.vector.cpu()}, path)
 
     @classmethod
-    def load(cls, path: str | Path, model) -> "SteeringVector":
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        vec = cls(**data)
-        if vec.fingerprint != model_fingerprint(model) or vec.model_name != model_name(model):
-            raise ValueError(
-                f"steering vector {path} was built for {vec.model_name} {vec.fingerprint}, not for "
+    def read(cls, path: str | Path) -> "SteeringVector":
+        """The vector saved at ``path``, not yet checked against a model (``check``)."""
+        hint = "build one with: python -m kvsieve.steering build --model MODEL --out FILE"
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise ValueError(f"steering vector file {path} does not exist; {hint}") from None
+        except Exception as err:  # torch raises several kinds on a file it cannot read
+            raise ValueError(f"{path} is not a steering vector file ({type(err).__name__}); {hint}") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not {"vector", "layer", "model_name", "fingerprint"} <= set(data) <= names:
+            raise ValueError(f"{path} is not a steering vector file (expected the fields {sorted(names)}); {hint}")
+        return cls(**data)
+
+    def check(self, model, source: str | Path = "") -> "SteeringVector":
+        """Refuse a vector measured on another model (by name and shape); returns ``self``."""
+        if self.fingerprint != model_fingerprint(model) or self.model_name != model_name(model):
+            where = f" {source}" if source else ""
+            raise SteeringModelError(
+                f"steering vector{where} was built for {self.model_name} {self.fingerprint}, not for "
                 f"{model_name(model)} {model_fingerprint(model)}; build one for this model "
                 "(python -m kvsieve.steering build --model ...)")
-        return vec
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path, model) -> "SteeringVector":
+        return cls.read(path).check(model, path)
+
+    def digest(self) -> str:
+        """Short sha256 of the vector's float32 values: tells two vectors with equal settings apart."""
+        return hashlib.sha256(self.vector.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+class SteeringModelError(ValueError):
+    """A steering vector used with a model other than the one it was measured on."""
 
 
 def model_name(model) -> str:
@@ -287,12 +314,25 @@ class Steering:
                              "direction='others_minus_execution' (python -m kvsieve.steering build --released)")
         return cls(vector, **{k: RELEASED[k] for k in ("alpha0", "gamma", "positions")})
 
+    @classmethod
+    def preset(cls, vector: SteeringVector, **overrides) -> "Steering":
+        """The steering a saved vector implies, as the CLI applies it: the release preset for a vector
+        built with ``--released`` (its sign needs it), the paper's defaults otherwise; ``overrides``
+        (``alpha0``, ``gamma``, ``positions``) then replace single settings."""
+        allowed = ("alpha0", "gamma", "positions")
+        unknown = sorted(set(overrides) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown steering setting(s) {unknown}; allowed: {list(allowed)}")
+        base = cls.released(vector) if vector.settings.get("direction") == RELEASED["direction"] else cls(vector)
+        return replace(base, **overrides)
+
     def strength(self, n_others: torch.Tensor) -> torch.Tensor:
         return self.alpha0 + self.gamma * n_others  # Alg. 2 line 27
 
     def settings(self) -> dict:
         return {"layer": self.vector.layer, "alpha0": self.alpha0, "gamma": self.gamma,
-                "positions": self.positions, "vector_model": self.vector.model_name, **self.vector.settings}
+                "positions": self.positions, "vector_model": self.vector.model_name,
+                "vector_sha256": self.vector.digest(), **self.vector.settings}
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):

@@ -8,17 +8,26 @@ scorer's ``select``; the recorder reads the result at its next call from the eng
 tokens appended since are excluded and the record is exact.
 
 Layers are numbered in the order the engine first asks about them, which is layer order
-(every pass over the cache starts at layer 0).  Rows are cache rows: trace one sample at a
-time (batch 1); with larger batches a record is dropped when a finished row left the batch
-before it was read (counted in ``Trace.lost``).
+(every pass over the cache starts at layer 0).  Rows are *prompt* indices, the position of the
+prompt in the ``generate`` call, not cache rows: ``generate`` drops finished rows from the cache
+(``cache.select_rows``), after which cache row i holds a later prompt.  The recorder follows the
+mapping through the ``rows`` argument of the per-forward callback that ``attach`` yields, so a
+record is attributed to the prompt it was taken from however many rows left before it was read.
+
+Reads are lazy (at the next call from the engine), so a prompt that leaves the batch right
+after a compression can take its last unread records with it.  ``TracingScorer.before_select_rows``
+reads everything due and is meant to be called by ``generate`` just before ``cache.select_rows``;
+until the engine calls it, such records are counted in ``Trace.lost`` (at most one layer's kv
+heads per prompt that leaves), never attributed to another prompt.
 
 Record layout (``Trace``)::
 
-    records[i] = (layer, row, seen_tokens, head, kept positions: sorted int32 array)
+    records[i] = (layer, row = prompt index, seen_tokens, head, kept positions: sorted int32 array)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -89,12 +98,16 @@ class Trace:
 
 
 class _Recording:
-    """The shared state of one traced generation: layer numbering and reads still due."""
+    """The shared state of one traced generation: layer numbering, the prompt index of each cache
+    row, and reads still due."""
 
     def __init__(self, trace: Trace):
         self.trace = trace
         self.layers: list[Any] = []  # layer objects, index = layer number (kept alive: ids stay unique)
-        self.pending: list[tuple[int, Any, torch.Tensor]] = []  # (layer number, layer, seen_tokens at compression)
+        self.prompts: list[int] | None = None  # prompt index of each cache row; None: not attached (row i = prompt i)
+        self.attached = False
+        # (layer number, layer, seen_tokens [B] at compression, prompt index of each of those B rows)
+        self.pending: list[tuple[int, Any, torch.Tensor, list[int]]] = []
 
     def number(self, layer) -> int:
         for i, known in enumerate(self.layers):
@@ -103,19 +116,39 @@ class _Recording:
         self.layers.append(layer)
         return len(self.layers) - 1
 
+    def rows_now(self, batch: int) -> list[int]:
+        return list(range(batch)) if self.prompts is None else self.prompts
+
+    def follow(self, rows: torch.Tensor) -> None:
+        """``rows`` [B]: prompt index of each cache row, as ``generate`` passes it before each forward.
+        Rows only ever leave, so the mapping changed iff B did: no device read on other steps."""
+        if self.prompts is None or rows.shape[0] != len(self.prompts):
+            self.prompts = [int(r) for r in rows.tolist()]
+        self.flush()
+
+    def compressed(self, layer, seen_tokens: torch.Tensor) -> None:
+        seen = seen_tokens.detach().to("cpu")
+        self.pending.append((self.number(layer), layer, seen, self.rows_now(seen.shape[0])))
+
     def flush(self) -> None:
         """Read the kept positions of every layer compressed since the last call."""
-        for number, layer, seen in self.pending:
-            pos = layer.meta["pos"].detach().to("cpu", torch.int64)  # [B, H, capacity]
-            if pos.shape[0] != seen.shape[0]:  # a finished row left the batch in between
-                self.trace.lost += pos.shape[1] * seen.shape[0]
+        for number, layer, seen, prompts in self.pending:
+            pos = layer.meta["pos"].detach().to("cpu", torch.int64)  # [B now, H, capacity]
+            if pos.shape[0] == len(prompts):  # rows only leave: the same count is the same rows
+                now = prompts
+            elif self.prompts is not None and len(self.prompts) == pos.shape[0]:
+                now = self.prompts
+            else:  # rows left and the mapping was not followed (not attached): no row is known
+                self.trace.lost += pos.shape[1] * len(prompts)
                 continue
-            for row in range(pos.shape[0]):
-                limit = int(seen[row])
+            at = {prompt: i for i, prompt in enumerate(prompts)}
+            self.trace.lost += pos.shape[1] * len(set(prompts) - set(now))  # left before this read
+            for row, prompt in enumerate(now):
+                limit = int(seen[at[prompt]])
                 for head in range(pos.shape[1]):
                     p = pos[row, head]
                     self.trace.layer.append(number)
-                    self.trace.row.append(row)
+                    self.trace.row.append(prompt)
                     self.trace.seen.append(limit)
                     self.trace.head.append(head)
                     self.trace.kept.append(np.sort(p[p < limit].numpy()).astype(np.int32))
@@ -133,6 +166,29 @@ class TracingScorer:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @contextlib.contextmanager
+    def attach(self, model, tokenizer):
+        """The inner scorer's per-call hook, plus a callback that follows which prompt each cache
+        row holds (``rows`` of ``Scorer.attach``'s callback) and reads what is due."""
+        rec = self._recording
+        if rec.attached:
+            raise ValueError("a TraceRecorder records one generate call: call recorder.finish() before "
+                             "generating again with the policy it wrapped (or wrap the policy again)")
+        rec.attached = True
+        with self.inner.attach(model, tokenizer) as inner_callback:
+
+            def on_tokens(token_ids, query_pos, rows):
+                rec.follow(rows)
+                if inner_callback is not None:
+                    inner_callback(token_ids, query_pos, rows)
+
+            yield on_tokens
+
+    def before_select_rows(self, keep: torch.Tensor) -> None:
+        """Engine hook: cache rows not in ``keep`` are about to leave the batch; read every record
+        still due while they are there (nothing is then lost to a row's departure)."""
+        self._recording.flush()
+
     def should_compress(self, layer, budget):
         self._recording.flush()
         self._recording.number(layer)
@@ -145,8 +201,7 @@ class TracingScorer:
     def select(self, layer, scores, budget, seen_tokens):
         self._recording.flush()
         chosen = self.inner.select(layer, scores, budget, seen_tokens)
-        rec = self._recording
-        rec.pending.append((rec.number(layer), layer, seen_tokens.detach().to("cpu")))
+        self._recording.compressed(layer, seen_tokens)
         return chosen
 
 

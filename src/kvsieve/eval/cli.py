@@ -48,9 +48,19 @@ def eval_command(
     data: Optional[str] = typer.Option(None, help="Local JSONL/CSV file or data directory (or the text file of 'text')."),
     data_opt: List[str] = typer.Option([], "--data-opt", help="Data set option key=value, e.g. context_tokens=4000."),
     limit: Optional[int] = typer.Option(None, help="First N samples only."),
-    methods: str = typer.Option("full", help="Comma-separated methods; full always runs as the reference."),
+    methods: str = typer.Option(
+        "full", help="Comma-separated methods; full always runs as the reference. <method>+steer (e.g. "
+                     "skipkv+steer, full+steer) runs the method with --steering: a method label of its own."),
     budgets: str = typer.Option("128", help="Comma-separated KV budgets (tokens per kv head)."),
-    set_: List[str] = typer.Option([], "--set", help="Method setting key=value (all methods) or method.key=value."),
+    set_: List[str] = typer.Option([], "--set", help="Method setting key=value (all methods) or method.key=value "
+                                   "(method.key also sets method+steer; method+steer.key only the steered label)."),
+    steering: Optional[Path] = typer.Option(
+        None, "--steering", metavar="FILE",
+        help="SkipKV steering vector (python -m kvsieve.steering build --model MODEL --out FILE), built for --model, "
+             "used by the +steer methods only. Rows of those methods record settings.steering (strengths, vector "
+             "sha256); a results directory refuses another vector or strength for them."),
+    steering_set: List[str] = typer.Option(
+        [], "--steering-set", help="Steering setting key=value over the vector's preset: alpha0, gamma or positions."),
     max_new_tokens: int = typer.Option(512),
     batch_size: int = typer.Option(8, help="Samples decoded together."),
     seed: int = typer.Option(0),
@@ -64,8 +74,13 @@ def eval_command(
     dtype: str = typer.Option("auto"),
     progress: bool = typer.Option(True, help="Progress bars with ETA per cell."),
 ):
-    """Run (or resume) a (method x budget) grid; one JSON line per finished sample."""
-    from .config import EvalConfig, parse_list, parse_shard, split_settings
+    """Run (or resume) a (method x budget) grid; one JSON line per finished sample.
+
+    Steering (SkipKV Sec. 4.2): list a method twice, e.g. --methods skipkv,skipkv+steer --steering vec.pt,
+    to get its rows without and with the steering vector side by side in one results directory.
+    """
+    from ..steering import SteeringModelError
+    from .config import EvalConfig, parse_list, parse_shard, split_settings, split_steer
     from .report import rich_table, summarize
     from .runner import load_samples, make_cell_policy, run_grid
     from .store import check_manifest, load_results
@@ -77,14 +92,22 @@ def eval_command(
         data_options=_pairs(data_opt, "--data-opt"), max_new_tokens=max_new_tokens, temperature=temperature,
         seed=seed, prefill_chunk=prefill_chunk, batch_size=batch_size,
         settings=_bad(split_settings, _pairs(set_, "--set"), method_list), shard=_bad(parse_shard, shard),
-        device=device, dtype=dtype)
-    # Everything the user can get wrong fails here, before the model loads; errors after this
-    # point are bugs and keep their traceback.
+        device=device, dtype=dtype, steering=None if steering is None else str(steering),
+        steering_settings=_pairs(steering_set, "--steering-set"))
+    # Everything the user can get wrong fails here, before the model loads (but a steering vector
+    # built for another model, found once it has loaded); other errors after this point are bugs
+    # and keep their traceback.
     for cell in config.cells():
         _bad(make_cell_policy, config, cell)
-    _bad(load_samples, config)
+    samples = _bad(load_samples, config)
+    if samples and samples[0].grader == "perplexity" and any(split_steer(m)[1] for m in config.methods):
+        raise typer.BadParameter(f"steering applies to generation; data set {dataset!r} is scored by perplexity: "
+                                 "drop the +steer methods")
     _bad(check_manifest, config.out, config.result_fields())
-    store = run_grid(config, progress=progress, use_ray=ray, ray_address=ray_address)
+    try:
+        store = run_grid(config, progress=progress, use_ray=ray, ray_address=ray_address)
+    except SteeringModelError as err:
+        raise typer.BadParameter(str(err), param_hint="--steering") from None
     console.print(rich_table(summarize(load_results(config.out)), title=f"{model} on {dataset}"))
     console.print(f"rows in {store.path}; write the report with: kvsieve report {config.out}")
 

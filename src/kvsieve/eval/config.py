@@ -13,6 +13,15 @@ RESULT_FIELDS = ("model", "dataset", "data_path", "data_options", "max_new_token
 
 Cell = tuple[str, "int | None"]  # (method, budget); budget None for full and self-sizing methods
 
+# A method label ending in STEER runs its method with SkipKV's adaptive steering (``--steering FILE``):
+# "skipkv+steer" is a cell of its own, so steered and unsteered rows never share a key or a summary.
+STEER = "+steer"
+
+
+def split_steer(label: str) -> tuple[str, bool]:
+    """``"skipkv+steer"`` -> ``("skipkv", True)``; ``"tova"`` -> ``("tova", False)``."""
+    return (label[: -len(STEER)], True) if label.endswith(STEER) else (label, False)
+
 
 def parse_shard(text: str) -> tuple[int, int]:
     """``"i/n"`` -> ``(i, n)`` with ``0 <= i < n``."""
@@ -37,8 +46,9 @@ def parse_list(text: str, what: str, cast=str) -> tuple:
 
 def split_settings(pairs: dict[str, Any], methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``{"recent": 8, "tova.heads": "group"}`` -> per-method settings (unscoped keys go to every
-    method but ``full``; ``method.key`` to that method only)."""
-    out: dict[str, dict[str, Any]] = {m: {} for m in methods if m != "full"}
+    method but ``full``; ``method.key`` to that method and its steered label ``method+steer``;
+    ``method+steer.key`` to the steered label only)."""
+    out: dict[str, dict[str, Any]] = {m: {} for m in methods if split_steer(m)[0] != "full"}
     scoped = []
     for key, value in pairs.items():
         if "." in key:
@@ -48,10 +58,12 @@ def split_settings(pairs: dict[str, Any], methods: tuple[str, ...]) -> dict[str,
             settings[key] = value
     for key, value in scoped:
         method, name = key.split(".", 1)
-        if method not in out:
+        targets = [m for m in out if m == method or (not method.endswith(STEER) and m == method + STEER)]
+        if not targets:
             raise ValueError(f"setting {key!r} is for method {method!r}, which is not in --methods "
                              f"({', '.join(methods)})")
-        out[method][name] = value
+        for target in targets:
+            out[target][name] = value
     return {m: s for m, s in out.items() if s}
 
 
@@ -81,6 +93,16 @@ class EvalConfig:
         ``(i, n)``: this process runs samples ``i, i + n, i + 2n, ...``.
     device, dtype : str
         For ``load_model``.
+    steering : str | None
+        SkipKV steering vector file (``python -m kvsieve.steering build``) for the methods
+        labelled ``<method>+steer`` (``full+steer``: steering alone); needed iff one is listed.
+    steering_settings : dict
+        ``alpha0`` / ``gamma`` / ``positions`` over the vector's preset (``Steering.preset``).
+
+    A steered label is a method of its own: its rows are keyed and summarised apart from the
+    unsteered method's, carry ``settings["steering"]``, and the manifest records the steering
+    (vector digest and strengths) among that label's settings, so a results directory refuses
+    another vector or strength for it.  The file's path is not part of that identity.
     """
 
     model: str
@@ -100,13 +122,26 @@ class EvalConfig:
     shard: tuple[int, int] = (0, 1)
     device: str = "auto"
     dtype: str = "auto"
+    steering: str | None = None
+    steering_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         from ..methods import takes_budget
 
         self.methods, self.budgets, self.shard = tuple(self.methods), tuple(self.budgets), tuple(self.shard)
         for method in self.methods:
-            takes_budget(method)  # raises on an unknown method or wrapper, naming the known ones
+            takes_budget(split_steer(method)[0])  # raises on an unknown method or wrapper, naming the known ones
+        steered = [m for m in self.methods if split_steer(m)[1]]
+        if steered and self.steering is None:
+            raise ValueError(f"method(s) {steered} need a steering vector: pass --steering FILE (build one with "
+                             "python -m kvsieve.steering build --model MODEL --out FILE)")
+        if self.steering is not None and not steered:
+            raise ValueError(f"--steering is used only by methods labelled <method>{STEER}; add one to --methods, "
+                             f"e.g. skipkv,skipkv{STEER} to compare without and with steering")
+        if self.steering_settings and self.steering is None:
+            raise ValueError("steering settings need --steering FILE")
+        if self.steering is not None:
+            self.steering_identity()  # an unreadable file or an unknown steering setting fails here
         if not self.budgets or any(b < 1 for b in self.budgets):
             raise ValueError(f"budgets must be positive token counts, got {list(self.budgets)}")
         if self.batch_size < 1 or self.max_new_tokens < 1:
@@ -127,7 +162,7 @@ class EvalConfig:
         for method in dict.fromkeys(self.methods):
             if method == "full":
                 continue
-            if takes_budget(method):
+            if takes_budget(split_steer(method)[0]):
                 cells += [(method, budget) for budget in dict.fromkeys(self.budgets)]
             else:
                 cells.append((method, None))
@@ -138,7 +173,19 @@ class EvalConfig:
         ``settings`` lists every method of this run, ``{}`` meaning its defaults."""
         fields = {k: asdict(self)[k] for k in RESULT_FIELDS}
         fields["settings"] = {m: self.settings.get(m, {}) for m in self.methods if m != "full"}
+        if self.steering is not None:
+            steering = self.steering_identity()
+            for method in fields["settings"]:
+                if split_steer(method)[1]:
+                    fields["settings"][method] = {**fields["settings"][method], "steering": steering}
         return json.loads(json.dumps(fields, sort_keys=True))
+
+    def steering_identity(self) -> dict[str, Any]:
+        """What the steered rows were produced under: ``Steering.settings()`` (layer, strengths,
+        the vector's model, build settings and sha256), read from the file without the model."""
+        from ..steering import Steering, SteeringVector
+
+        return Steering.preset(SteeringVector.read(self.steering), **self.steering_settings).settings()
 
     @property
     def results_name(self) -> str:

@@ -5,6 +5,8 @@ Ray is an optional extra (``pip install ray``).  ``address=None`` joins the clus
 (Ray >= 2.50 has no in-process "local mode").  Workers load the model once per process and keep
 it for their later tasks; ``OMP_NUM_THREADS`` is passed on to them.  Rows are the same as
 in-process rows: the same ``run_batch`` produces them, and only the driver writes the store.
+A steering vector (``--steering``) is read once by the driver and shipped with the tasks, so
+workers need no access to the file; each worker checks it against its own model.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import os
 from typing import Any, Callable
 
 from .config import Cell, EvalConfig
-from .runner import batches, run_batch
+from .config import split_steer
+from .runner import batches, load_steering_vector, make_steering, run_batch
 
 _MODELS: dict[tuple[str, str, str], tuple] = {}
 
@@ -27,9 +30,10 @@ def _model(config: EvalConfig):
     return _MODELS[key]
 
 
-def _batch_task(config: EvalConfig, cell: Cell, samples) -> tuple[Cell, list[dict]]:
+def _batch_task(config: EvalConfig, cell: Cell, samples, vector=None) -> tuple[Cell, list[dict]]:
     model, tokenizer = _model(config)
-    return cell, run_batch(model, tokenizer, config, cell, samples)
+    steering = make_steering(config, model, vector) if split_steer(cell[0])[1] else None
+    return cell, run_batch(model, tokenizer, config, cell, samples, steering)
 
 
 def run_on_ray(config: EvalConfig, work, write: Callable[[Cell, list[dict]], None], address: str | None = None,
@@ -50,7 +54,8 @@ def run_on_ray(config: EvalConfig, work, write: Callable[[Cell, list[dict]], Non
     try:
         remote = ray.remote(num_gpus=num_gpus)(_batch_task)
         config_ref = ray.put(config)
-        futures = [remote.remote(config_ref, cell, batch)
+        vector_ref = ray.put(load_steering_vector(config))  # None without --steering
+        futures = [remote.remote(config_ref, cell, batch, vector_ref)
                    for cell, pending in work for batch in batches(pending, config.batch_size)]
         while futures:
             finished, futures = ray.wait(futures, num_returns=1)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from ..data import Sample, load_dataset
 from ..grading import grade
-from .config import Cell, EvalConfig
+from .config import Cell, EvalConfig, split_steer
 from .store import ResultStore, check_manifest
 
 RowCallback = Callable[[dict[str, Any]], None]
@@ -33,12 +33,30 @@ def load_samples(config: EvalConfig) -> list[Sample]:
 
 
 def make_cell_policy(config: EvalConfig, cell: Cell):
+    """The cell's eviction policy (a ``+steer`` label runs its method's policy)."""
     from ..methods import make_policy
 
-    method, budget = cell
+    label, budget = cell
+    method = split_steer(label)[0]
     if method == "full":
         return make_policy("full")
-    return make_policy(method, budget=budget, **config.settings.get(method, {}))
+    return make_policy(method, budget=budget, **config.settings.get(label, {}))
+
+
+def load_steering_vector(config: EvalConfig):
+    """The grid's steering vector (read once, unchecked), or None when no cell is steered."""
+    from ..steering import SteeringVector
+
+    return None if config.steering is None else SteeringVector.read(config.steering)
+
+
+def make_steering(config: EvalConfig, model, vector=None):
+    """The grid's ``Steering`` for ``model``: ``vector`` (or the file) checked against the model;
+    raises ``SteeringModelError`` naming both models when it was built for another one."""
+    from ..steering import Steering
+
+    vector = vector if vector is not None else load_steering_vector(config)
+    return None if vector is None else Steering.preset(vector.check(model, config.steering), **config.steering_settings)
 
 
 def _kv_heads(model) -> int:
@@ -61,17 +79,28 @@ def _stat_fields(stat) -> dict[str, Any]:
     }
 
 
-def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sample]) -> list[dict[str, Any]]:
-    """Decode (or score) ``samples`` under ``cell``'s policy and return one graded row each."""
+def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sample],
+              steering=None) -> list[dict[str, Any]]:
+    """Decode (or score) ``samples`` under ``cell``'s policy and return one graded row each.
+
+    A steered cell (``<method>+steer``) decodes with ``steering`` (``make_steering``; built from
+    ``config.steering`` when not given); other cells never steer."""
     policy = make_cell_policy(config, cell)
+    steered = split_steer(cell[0])[1]
     kv_heads = _kv_heads(model)
     if samples and samples[0].grader == "perplexity":
+        if steered:
+            raise ValueError(f"{cell[0]}: steering applies to generation, not to perplexity scoring; "
+                             f"drop the +steer methods for data set {config.dataset!r}")
         return [_perplexity_row(model, tokenizer, config, cell, policy, s, kv_heads) for s in samples]
     from ..generate import GenerateConfig, generate
 
+    if steered and steering is None:
+        steering = make_steering(config, model)
     gen_config = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                 seed=config.seed, prefill_chunk=config.prefill_chunk)
-    result = generate(model, tokenizer, [s.messages for s in samples], policy, gen_config)
+    result = generate(model, tokenizer, [s.messages for s in samples], policy, gen_config,
+                      steering=steering if steered else None)
     rows = []
     for sample, text, stat in zip(samples, result.texts, result.stats):
         graded = grade(sample.grader, text, sample.reference)
@@ -138,6 +167,9 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
             from ..models import load_model
 
             model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
+        steering = None
+        if not use_ray and any(split_steer(cell[0])[1] and pending for cell, pending in work):
+            steering = make_steering(config, model)  # another model's vector fails here, before any batch
         with _progress(progress) as bar:
             tasks = {}
             if bar is not None:
@@ -160,5 +192,5 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
             else:
                 for cell, pending in work:
                     for batch in batches(pending, config.batch_size):
-                        write(cell, run_batch(model, tokenizer, config, cell, batch))
+                        write(cell, run_batch(model, tokenizer, config, cell, batch, steering))
     return store

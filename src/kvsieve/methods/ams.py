@@ -362,6 +362,9 @@ class AMS(Scorer):
     def attach(self, model, tokenizer):
         return self.inner.attach(model, tokenizer)
 
+    def before_select_rows(self, keep):
+        self.inner.before_select_rows(keep)
+
     def observe(self, layer, probs, query_pos):
         self.inner.observe(layer, probs, query_pos)
 

@@ -121,6 +121,9 @@ class CAOTE(Scorer):
         none of its own, but without this a base that sets up in ``attach`` would run blind."""
         return self.inner.attach(model, tokenizer)
 
+    def before_select_rows(self, keep):
+        self.inner.before_select_rows(keep)
+
     def observe(self, layer, probs, query_pos):
         self.inner.observe(layer, probs, query_pos)
 
