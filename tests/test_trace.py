@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvsieve.analysis.trace import Trace, TraceRecorder, _Recording, draw_heatmap, record_trace
-from kvsieve.cache import DEAD_POS, SieveCache
+from kvsieve.cache import DEAD_POS
 from kvsieve.generate import GenerateConfig, generate
 from kvsieve.methods import make_policy
 
