@@ -61,6 +61,7 @@ from ..attention import window_attention
 from ..cache import DEAD_POS
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, indices_from_mask, pool_along_sequence, reduce_group
 from . import register_wrapper
+from ._wrapper import WrappingScorer
 
 CREDIT = "ams_credit"  # per-token EMA credit (Sec. 3.3), compacted with K/V
 
@@ -270,7 +271,7 @@ class _BaseView:
 
 @register_wrapper("ams")
 @dataclass
-class AMS(Scorer):
+class AMS(WrappingScorer):
     """Adaptive mass-segmented allocation around a base scorer (``ams:<base>``).
 
     Parameters (defaults: paper Table 15; settings the paper leaves open: released code)
@@ -330,11 +331,6 @@ class AMS(Scorer):
     schedule_defaults: ClassVar[dict] = {"sinks": 4, "recent": 32, "interval": 512, "compress_prefill": False}
 
     def __post_init__(self, base):
-        if base is None:
-            raise ValueError(f"{self.prefix} needs a base method: use '{self.prefix}:<base>', "
-                             f"e.g. {self.prefix}:expected")
-        if not base.uses_budget:
-            raise ValueError(f"{self.prefix} needs a budgeted base; {base.name!r} sets its own cache size")
         if self.mass_window < 1 or self.mass_kernel < 1 or self.q_min < 0 or not 1 <= self.l_min <= self.l_max:
             raise ValueError(f"{self.prefix}: need mass_window >= 1, mass_kernel >= 1, q_min >= 0 and "
                              "1 <= l_min <= l_max")
@@ -346,10 +342,8 @@ class AMS(Scorer):
         check_choice(self.padding, ("missing", "suffix"), f"{self.prefix} padding")
         check_choice(self.segmentation, ("row", "batch"), f"{self.prefix} segmentation")
         check_choice(self.order, ("sec3.3", "alg1"), f"{self.prefix} order")
-        self.inner = base
-        self.name = f"{self.prefix}:{base.name}"
+        self.wrap(self.prefix, base, example="expected")
         self.meta_init = {**base.meta_init, **({CREDIT: 0.0} if self.use_credit else {})}
-        self.observes = base.observes
         self.default_sinks, self.default_interval = self.schedule_defaults["sinks"], self.schedule_defaults["interval"]
         self.default_compress_prefill = False
 
@@ -358,18 +352,6 @@ class AMS(Scorer):
 
     def query_window(self):
         return max(self.mass_window, self.inner.query_window())
-
-    def attach(self, model, tokenizer):
-        return self.inner.attach(model, tokenizer)
-
-    def before_select_rows(self, keep):
-        self.inner.before_select_rows(keep)
-
-    def observe(self, layer, probs, query_pos):
-        self.inner.observe(layer, probs, query_pos)
-
-    def should_compress(self, layer, budget):
-        return self.inner.should_compress(layer, budget)
 
     def score(self, layer, seen_tokens):
         """The base's scores g [B, H_kv, cap] (Alg. 1 line 32)."""

@@ -32,6 +32,7 @@ import torch
 from ..cache import DEAD_POS
 from ..policy import Scorer
 from . import register_wrapper
+from ._wrapper import WrappingScorer
 
 
 def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False) -> torch.Tensor:
@@ -83,7 +84,7 @@ class _PerQueryHead:
 
 @register_wrapper("caote")
 @dataclass
-class CAOTE(Scorer):
+class CAOTE(WrappingScorer):
     """Attention-output error on top of a base scorer (``caote:<base>``; no own hyperparameters:
     the base's settings, the budget and the schedule are set as for the base)."""
 
@@ -95,15 +96,7 @@ class CAOTE(Scorer):
     prefill_chunk: ClassVar[int] = 128  # block m of Sec. 4.1; GenerateConfig holds the chunk size
 
     def __post_init__(self, base):
-        prefix = "fastcaote" if self.fast else "caote"
-        if base is None:
-            raise ValueError(f"{prefix} needs a base method: use '{prefix}:<base>', e.g. {prefix}:tova")
-        if not base.uses_budget:
-            raise ValueError(f"{prefix} needs a budgeted base; {base.name!r} sets its own cache size")
-        self.inner = base
-        self.name = f"{prefix}:{base.name}"
-        # the engine reads these from the scorer: they are the base's
-        self.meta_init, self.observes = base.meta_init, base.observes
+        self.wrap("fastcaote" if self.fast else "caote", base, example="tova")
         self.slot_order_free = base.slot_order_free  # Eq. 8 is per token: order-free iff the base is
         self.default_sinks, self.default_interval = base.default_sinks, base.default_interval
 
@@ -115,20 +108,6 @@ class CAOTE(Scorer):
 
     def needs_aligned_heads(self):
         return self.inner.needs_aligned_heads()
-
-    def attach(self, model, tokenizer):
-        """The base's per-call hook (SkipKV's sentence table and hidden-state read): CAOTE needs
-        none of its own, but without this a base that sets up in ``attach`` would run blind."""
-        return self.inner.attach(model, tokenizer)
-
-    def before_select_rows(self, keep):
-        self.inner.before_select_rows(keep)
-
-    def observe(self, layer, probs, query_pos):
-        self.inner.observe(layer, probs, query_pos)
-
-    def should_compress(self, layer, budget):
-        return self.inner.should_compress(layer, budget)
 
     def select(self, layer, scores, budget, seen_tokens):
         return self.inner.select(layer, scores, budget, seen_tokens)
