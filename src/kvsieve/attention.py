@@ -74,10 +74,9 @@ def attention_probs(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tens
     """
     B, Hq, T, D = query.shape
     H, cap = keys.shape[1], keys.shape[2]
-    q = query.reshape(B, H, (Hq // H) * T, D).float()  # rows ordered (g, t): no copy of K per group
+    q = query.reshape(B, H, (Hq // H) * T, D).float() * scaling  # rows ordered (g, t): no copy of K per group
     scores = torch.matmul(q, keys.float().transpose(-1, -2)).view(B, H, Hq // H, T, cap)
-    scores = (scores * scaling).masked_fill_(~allowed[:, :, None], float("-inf"))
-    return scores.softmax(dim=-1)
+    return scores.masked_fill_(~allowed[:, :, None], float("-inf")).softmax(dim=-1)
 
 
 def window_attention(layer: SieveLayer) -> torch.Tensor:
@@ -89,6 +88,8 @@ def window_attention(layer: SieveLayer) -> torch.Tensor:
         raise RuntimeError("window_attention: no queries recorded; the scorer must set query_window > 0")
     qpos = layer.recent_query_pos  # [B, w]
     probs = attention_probs(layer.recent_queries, layer.keys, visible(layer.meta["pos"], qpos), layer.scaling)
+    if qpos.shape[1] == 1:  # the newest query is always a real token (left padding comes first)
+        return probs
     return probs * (qpos != DEAD_POS)[:, None, None, :, None]
 
 
