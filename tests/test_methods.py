@@ -274,14 +274,19 @@ def tova_reference(built: Built, heads: str) -> list:
 def test_tova_group_score_is_the_last_querys_attention_averaged_over_the_group():
     scorer = TOVA(heads="group")
     assert scorer.query_window() == 1
-    built = build(2, window=scorer.query_window())
+    policy = Policy(scorer=scorer, budget=8)
+    built = build(2, window=scorer.query_window(), meta_init=scorer.meta_init, observer=policy.observer())
+    # the score read from the forward pass equals a fresh recomputation over the cache
+    torch.testing.assert_close(scorer.score(built.layer, built.seen),
+                               scorer.score_per_query_head(built.layer, built.seen).mean(dim=2))
     assert_live_scores(built, scorer.score(built.layer, built.seen), tova_reference(built, "group"))
 
 
 def test_tova_layer_score_is_the_last_querys_attention_averaged_over_all_query_heads():
     scorer = TOVA()  # heads="layer" is the paper's choice and the default
     # TOVA-layer keeps the same tokens in every head, so build a cache whose heads agree.
-    built = build(3, window=scorer.query_window(), aligned=True, counts=((7, 7), (5, 5)))
+    built = build(3, window=scorer.query_window(), aligned=True, counts=((7, 7), (5, 5)),
+                  meta_init=scorer.meta_init, observer=Policy(scorer=scorer, budget=8).observer())
     scores = scorer.score(built.layer, built.seen)
     assert_live_scores(built, scores, tova_reference(built, "layer"))
     assert torch.equal(scores[:, 0], scores[:, 1])  # one ranking for the whole layer

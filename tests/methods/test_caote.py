@@ -32,24 +32,24 @@ LONG = ("Here is a short story. A fox lived near a river and every morning it wa
         "to drink. One day it met a heron standing on one leg. Tell me, in two sentences, what the fox said.")
 
 
-def attend(cache, g, qpos_rows):
+def attend(cache, g, qpos_rows, observer=None):
     qpos = torch.tensor(qpos_rows)
     T = qpos.shape[1]
     q = torch.randn(B, HQ, T, D, generator=g) * 2
     k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
     cache.begin_step(qpos)
     key, value = cache.update(k, v, 0)
-    sieve_attention(SimpleNamespace(layer_idx=0), q, key, value, scaling=SCALE, kvsieve=StepState(cache, qpos, None))
+    sieve_attention(SimpleNamespace(layer_idx=0), q, key, value, scaling=SCALE, kvsieve=StepState(cache, qpos, observer))
 
 
-def decode_cache(seed, ragged=True, meta_init=None):
+def decode_cache(seed, ragged=True, meta_init=None, observer=None):
     """10 prompt tokens (row 1 left padded by 2), then, if ``ragged``, each head keeps its own
     random subset (dead slots at the ends), then one decode step; queries are recorded."""
     g = torch.Generator().manual_seed(seed)
     cache = SieveCache(1, meta_init=meta_init, grow_chunk=4)
     layer = cache.layers[0]
     layer.query_window = 4
-    attend(cache, g, [list(range(10)), [DEAD_POS] * 2 + list(range(8))])
+    attend(cache, g, [list(range(10)), [DEAD_POS] * 2 + list(range(8))], observer)
     if ragged:
         keep = torch.zeros(B, H, layer.capacity, dtype=torch.bool)
         for b, counts in enumerate(((7, 5), (6, 8))):
@@ -59,7 +59,7 @@ def decode_cache(seed, ragged=True, meta_init=None):
         K = int(keep.sum(-1).max())
         kept_idx, lengths = indices_from_mask(keep, K)
         layer.compact(kept_idx, lengths, capacity=K + 1, max_len=K)
-    attend(cache, g, [[10], [8]])
+    attend(cache, g, [[10], [8]], observer)
     return layer, torch.tensor([11, 9])
 
 
@@ -102,8 +102,8 @@ def test_score_equals_the_true_output_change_of_evicting_one_token():
 
 @pytest.mark.parametrize("base,settings", [("tova", {"heads": "group"}), ("snapkv", {"window": 4})])
 def test_per_query_head_base_scores_average_back_to_the_bases_own_score(base, settings):
-    layer, seen = decode_cache(5)
     policy = make_policy(f"caote:{base}", budget=8, **settings)
+    layer, seen = decode_cache(5, meta_init=policy.scorer.meta_init, observer=policy.observer())
     per_head = policy.scorer.base_scores(layer, seen)  # [B, H, G, cap]
     assert per_head.shape == (B, H, G, layer.capacity)
     live = layer.live()[:, :, None].expand_as(per_head)
@@ -120,15 +120,16 @@ def test_per_query_head_base_scores_average_back_to_the_bases_own_score(base, se
 
 
 @pytest.mark.parametrize("heads", ["layer", "group"])
-def test_tova_per_query_head_fast_path_equals_repeating_kv_onto_query_heads(heads):
-    from kvsieve.methods.caote import _PerQueryHead
-
-    layer, seen = decode_cache(6)
-    tova = make_policy("tova", budget=8, heads=heads).scorer
-    fast = tova.score_per_query_head(layer, seen)
-    slow = tova.score(_PerQueryHead(layer, G), seen).reshape(B, H, G, -1)
-    live = layer.live()[:, :, None].expand_as(fast)
-    assert torch.allclose(fast[live], slow[live], rtol=1e-5, atol=1e-7)
+def test_tova_per_query_head_scores_are_each_heads_attention_row_or_their_layer_mean(heads):
+    layer, seen = decode_cache(6, ragged=heads == "group")  # layer mode: every head holds the same tokens
+    fast = make_policy("tova", budget=8, heads=heads).scorer.score_per_query_head(layer, seen)  # [B, H, G, cap]
+    live = layer.live()
+    for b in range(B):
+        rows = torch.stack([(layer.keys[b, hq // G] @ layer.recent_queries[b, hq, -1] * SCALE).masked_fill(
+            ~live[b, hq // G], float("-inf")).softmax(0) for hq in range(HQ)]).view(H, G, -1)
+        want = rows if heads == "group" else rows.mean(dim=(0, 1), keepdim=True).expand_as(rows)
+        for h in range(H):
+            assert torch.allclose(fast[b, h][:, live[b, h]], want[h][:, live[b, h]], atol=1e-6)
 
 
 def test_fastcaote_replaces_the_output_by_the_mean_value_eq_22():

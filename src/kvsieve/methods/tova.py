@@ -3,6 +3,10 @@
 Based on Oren et al., "Transformers are Multi-State RNNs" (arXiv:2401.06104).  At each step
 the token with the lowest attention from the *current* query is dropped (Sec. 3.3); the
 paper averages the attention over all heads of a layer, so all heads keep the same tokens.
+
+The current query's attention is taken from the forward pass itself (``observe``, kept as
+per-token state ``last_attn``), not recomputed at compression time: one pass over the keys
+per step instead of two.
 """
 
 from dataclasses import dataclass
@@ -26,13 +30,19 @@ class TOVA(Scorer):
     summary = "attention of the current query, averaged over heads"
     slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Oren et al. 2024 (arXiv:2401.06104), Sec. 3.3"
+    meta_init = {"last_attn": 0.0}  # the newest query's attention, group mean per kv head
+    observes = True
     heads: str = "layer"
 
     def __post_init__(self):
         check_choice(self.heads, ("layer", "group"), "tova heads")
 
     def query_window(self):
-        return 1
+        return 1  # only score_per_query_head (CAOTE) reads it
+
+    def observe(self, layer, probs, query_pos):
+        # probs: [B, H_kv, G, T, cap]; the call's last query is the newest token of every row
+        layer.meta["last_attn"].copy_(reduce_group(probs[:, :, :, -1], "mean"))
 
     def needs_aligned_heads(self):
         return self.heads == "layer"
@@ -46,8 +56,7 @@ class TOVA(Scorer):
         return last
 
     def score(self, layer, seen_tokens):
-        last = window_attention(layer)[:, :, :, -1]  # [B, H_kv, G, cap]
-        per_head = reduce_group(last, "mean")  # [B, H_kv, cap]
+        per_head = layer.meta["last_attn"]  # [B, H_kv, cap]
         if self.heads == "layer":
             return per_head.mean(dim=1, keepdim=True).expand_as(per_head)
         return per_head
