@@ -313,6 +313,16 @@ def test_report_files(tmp_path):
         write_report(tmp_path / "empty")
 
 
+def test_common_keeps_only_samples_every_cell_has():
+    from kvsieve.eval.report import common_rows
+
+    rows = [{"id": i, "method": "full", "budget": None} for i in range(4)]
+    rows += [{"id": i, "method": "tova", "budget": 64} for i in (1, 2, 3)]
+    rows += [{"id": i, "method": "h2o", "budget": 64} for i in (0, 2, 3)]
+    assert sorted({r["id"] for r in common_rows(rows)}) == [2, 3]
+    assert len(common_rows(rows)) == 6
+
+
 # ---------------------------------------------------------------------------- CLI
 def make_app(with_analyze: bool = False) -> typer.Typer:
     app = typer.Typer()

@@ -186,12 +186,27 @@ def _header(rows: list[dict[str, Any]], manifest: dict[str, Any]) -> str:
             f"{len(rows)} rows over {len(ids)} samples. Decoding: {settings or 'unknown (no run.json)'}.\n")
 
 
-def write_report(directory: str | Path, plots: bool = True) -> Report:
-    """Write ``report.md``, ``summary.csv`` and (with ``plots``) the PNG plots into ``directory``."""
+def common_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Only the samples that every (method, budget) cell has, so cells of a partly finished grid
+    are compared on the same problems (``full``'s accuracy is then the same reference for all)."""
+    per_cell: dict[tuple, set] = {}
+    for r in rows:
+        per_cell.setdefault((r["method"], r["budget"]), set()).add(r["id"])
+    shared = set.intersection(*per_cell.values()) if per_cell else set()
+    return [r for r in rows if r["id"] in shared]
+
+
+def write_report(directory: str | Path, plots: bool = True, common: bool = False) -> Report:
+    """Write ``report.md``, ``summary.csv`` and (with ``plots``) the PNG plots into ``directory``;
+    ``common`` keeps only the samples every cell has (``common_rows``)."""
     directory = Path(directory)
     rows = load_results(directory)
     if not rows:
         raise ValueError(f"no result rows in {directory} (expected results*.jsonl written by `kvsieve eval`)")
+    if common:
+        rows = common_rows(rows)
+        if not rows:
+            raise ValueError(f"no sample is shared by every cell in {directory}; drop --common")
     manifest_path = directory / MANIFEST
     manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
     summaries = summarize(rows)
