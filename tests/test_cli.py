@@ -94,3 +94,10 @@ def test_generate_refuses_a_vector_built_for_another_model(smollm, vector_files)
     assert "built for Other-7B" in text and f"not for {model_name(smollm[0])}" in text
     result = runner.invoke(app, ["generate", "--steering-set", "alpha0=1", "hi"], env={"COLUMNS": "250"})
     assert result.exit_code == 2 and "needs --steering FILE" in " ".join(result.output.split())
+
+
+def test_steering_build_is_reachable_from_the_kvsieve_cli():
+    ok = runner.invoke(app, ["steering", "build", "--help"])
+    assert ok.exit_code == 0 and "--samples" in ok.output and "--out" in ok.output
+    bad = runner.invoke(app, ["steering", "nope"])
+    assert bad.exit_code != 0

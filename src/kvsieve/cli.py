@@ -193,6 +193,15 @@ def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, over
         import_module(f".bench.{name}", __package__).main(ctx.args)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def steering(ctx: typer.Context, action: str = typer.Argument(..., help="build")):
+    """SkipKV steering vectors: `kvsieve steering build --model M --samples N --out FILE`
+    (options after the action; `kvsieve steering build --help` lists them)."""
+    from .steering import main as steering_main
+
+    steering_main([action, *ctx.args])
+
+
 def _register_subcommands() -> None:
     from .analysis import mri, retention
     from .eval import cli as eval_cli
