@@ -149,8 +149,9 @@ def test_static_shapes_fix_every_address_while_decoding_and_change_no_token(smol
 
 
 def test_cuda_graph_is_refused_off_cuda_and_for_host_hooks(smollm):
-    with pytest.raises(ValueError, match="CUDA device"):
-        tokens(smollm, [SHORT], make_policy("tova", budget=24), n=4, cuda_graph=True)
+    for method in ("tova", "caote:tova"):  # a wrapper that only forwards attach() has no host hook
+        with pytest.raises(ValueError, match="CUDA device"):
+            tokens(smollm, [SHORT], make_policy(method, budget=24), n=4, cuda_graph=True)
     with pytest.raises(ValueError, match="drop cuda_graph"):
         tokens(smollm, [SHORT], make_policy("skipkv", budget=64), n=4, cuda_graph=True)
 

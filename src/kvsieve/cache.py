@@ -161,19 +161,16 @@ class SieveLayer(CacheLayerMixin):
             raise ValueError(f"compact: capacity {capacity} < kept slots {K}")
         if capacity > K:
             kept_idx = torch.cat([kept_idx, kept_idx.new_zeros(B, H, capacity - K)], dim=2)
-        D, Dv = self.keys.shape[-1], self.values.shape[-1]
         dead = torch.arange(capacity, device=self.device) >= new_lengths[..., None]  # [B, H, capacity]
-        gathered = {"keys": self.keys.gather(2, kept_idx[..., None].expand(B, H, capacity, D)),
-                    "values": self.values.gather(2, kept_idx[..., None].expand(B, H, capacity, Dv))}
+        keys = self.keys.gather(2, kept_idx[..., None].expand(B, H, capacity, self.keys.shape[-1]))
+        values = self.values.gather(2, kept_idx[..., None].expand(B, H, capacity, self.values.shape[-1]))
         meta = {name: t.gather(2, kept_idx).masked_fill(dead, self._fill_value(name)) for name, t in self.meta.items()}
         if self.static and capacity == self.capacity:  # same shapes: keep every address
-            self.keys.copy_(gathered["keys"])
-            self.values.copy_(gathered["values"])
-            for name, t in meta.items():
-                self.meta[name].copy_(t)
-            self.lengths.copy_(new_lengths)
+            for old, new in zip((self.keys, self.values, self.lengths, *self.meta.values()),
+                                (keys, values, new_lengths, *meta.values())):
+                old.copy_(new)
         else:
-            self.keys, self.values, self.meta = gathered["keys"], gathered["values"], meta
+            self.keys, self.values, self.meta = keys, values, meta
             self.lengths = new_lengths.clone()
         self.capacity = capacity
         self.max_len = max_len
@@ -188,7 +185,7 @@ class SieveLayer(CacheLayerMixin):
         copies per head instead of ``compact``'s O(capacity).  ``max_len`` is the new host-side
         bound on the lengths.
         """
-        B, H, m = drop_idx.shape
+        m = drop_idx.shape[-1]
         if m == 1:  # every-step eviction: about half the operations of the general case
             self._evict_one(drop_idx, drop_count, max_len)
             return
@@ -204,15 +201,9 @@ class SieveLayer(CacheLayerMixin):
         src = torch.where(movers, tail, far).sort(dim=-1).values
         # unused pairs copy a slot past the new end onto itself (never a real destination)
         idle = torch.clamp(tail, max=self.capacity - 1)
-        dst, src = torch.where(dst == far, idle, dst), torch.where(src == far, idle, src)
-        D, Dv = self.keys.shape[-1], self.values.shape[-1]
-        for name in ("keys", "values"):
-            store, width = getattr(self, name), (D if name == "keys" else Dv)
-            moved = store.gather(2, src[..., None].expand(B, H, m, width))
-            store.scatter_(2, dst[..., None].expand(B, H, m, width), moved)
+        self._move_slots(src=torch.where(src == far, idle, src), dst=torch.where(dst == far, idle, dst))
         dead = torch.arange(self.capacity, device=self.device) >= new_len[..., None]  # [B, H, capacity]
         for name, t in self.meta.items():
-            t.scatter_(2, dst, t.gather(2, src))
             t.masked_fill_(dead, self._fill_value(name))
         self.lengths.copy_(new_len)
         self.max_len = max_len
@@ -220,19 +211,23 @@ class SieveLayer(CacheLayerMixin):
     def _evict_one(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int) -> None:
         """``evict`` with m = 1: the last live token moves into the dropped slot (a self-copy
         when it is the dropped one, or when nothing goes: drop_count 0)."""
-        B, H, _ = drop_idx.shape
         drop = drop_count[..., None]  # [B, H, 1], 0 or 1
         vacated = self.lengths[..., None] - drop  # the new end: a dead slot when nothing goes
-        src = torch.where(drop > 0, vacated, drop_idx)
-        for name in ("keys", "values"):
-            store = getattr(self, name)
-            width = store.shape[-1]
-            store.scatter_(2, drop_idx[..., None].expand(B, H, 1, width), store.gather(2, src[..., None].expand(B, H, 1, width)))
+        self._move_slots(src=torch.where(drop > 0, vacated, drop_idx), dst=drop_idx)
         for name, t in self.meta.items():
-            t.scatter_(2, drop_idx, t.gather(2, src))
             t.scatter_(2, vacated, self._fill_value(name))
         self.lengths.sub_(drop_count)
         self.max_len = max_len
+
+    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the token in slot ``src`` to slot ``dst`` ([B, H_kv, m] each) in K, V and every
+        per-token field, in place (all sources are read before any destination is written)."""
+        B, H, m = src.shape
+        for store in (self.keys, self.values):
+            width = store.shape[-1]
+            store.scatter_(2, dst[..., None].expand(B, H, m, width), store.gather(2, src[..., None].expand(B, H, m, width)))
+        for t in self.meta.values():
+            t.scatter_(2, dst, t.gather(2, src))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (finished rows leave the batch and free their memory)."""

@@ -195,14 +195,6 @@ def _attach(stack: contextlib.ExitStack, model, tokenizer, *hooks) -> list[Calla
     return [cb for cb in callbacks if cb is not None]
 
 
-def _has_attach(scorer) -> bool:
-    """Whether the scorer overrides ``attach`` (it then runs host code around every step)."""
-    from .policy import Scorer
-
-    inner = getattr(scorer, "inner", None)
-    return type(scorer).attach is not Scorer.attach or (inner is not None and _has_attach(inner))
-
-
 def _as_list(x):
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -235,9 +227,6 @@ def generate(
     if on_token is not None:
         config = GenerateConfig(**{**asdict(config), "check_every": 1})
     check_supported(model)
-    if config.cuda_graph and (steering is not None or (policy.scorer is not None and _has_attach(policy.scorer))):
-        raise ValueError("cuda_graph cannot replay per-token host hooks (SkipKV sentences, steering); "
-                         "drop cuda_graph for this method")
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
     device = model.device
@@ -267,6 +256,9 @@ def generate(
     hooks = contextlib.ExitStack()
     try:
         run.on_tokens = _attach(hooks, model, tokenizer, scorer, steering)
+        if config.cuda_graph and run.on_tokens:
+            raise ValueError("cuda_graph cannot replay per-token host hooks (SkipKV sentences, steering, "
+                             "trace recording); drop cuda_graph for this method")
         t0 = time.perf_counter()
         cache.seen_tokens = torch.zeros(len(encoded), dtype=torch.long, device=device)
         for start in range(0, input_ids.shape[1], config.prefill_chunk):

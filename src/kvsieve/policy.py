@@ -300,7 +300,7 @@ def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_t
     chosen = scorer.select(layer, scores, budget, seen_tokens)
     if chosen is None and _can_evict_in_place(layer, policy, budget):
         excess = layer.max_len - budget  # host ints: at most this many tokens go per head
-        lowest = scores.masked_fill(dead, float("inf")).topk(excess, dim=-1, largest=False).indices
+        lowest = scores.masked_fill_(dead, float("inf")).topk(excess, dim=-1, largest=False).indices  # our copy
         layer.evict(lowest, (layer.lengths - budget).clamp(min=0, max=excess), max_len=budget)
         return
     if chosen is None and not policy.allocator.ragged_heads:
