@@ -3,7 +3,7 @@
 LazyEviction sets its observation window W to the MRI below which 80% of tokens fall (Sec. 3
 Finding 3, Sec. 4 "choice of W", App. C), measured offline with a full cache on about 1% of
 a data set (App. G.3, Table 11: 20 GSM8K, 5 MATH-500 or 2 AIME problems).  This module runs
-that generation (greedy, one prompt per call, nothing evicted), tracks TS and MRI exactly as
+that generation (greedy, nothing evicted, optionally batched), tracks TS and MRI exactly as
 ``lazy`` does (same alpha, GQA reduction and clock: ``kvsieve.methods._timestamps``) and reads
 the MRI of every (layer, kv head, token) at the end of each sample.
 
@@ -42,6 +42,18 @@ class MRIRecorder(Scorer):
     alpha: float = 1e-4
     head_reduction: str = "mean"
     layers: dict = field(default_factory=dict, init=False, repr=False)
+    finished: list = field(default_factory=list, init=False, repr=False)  # MRIs of rows that left
+
+    def before_select_rows(self, keep):
+        """Rows that finished leave the cache: keep their final MRIs first."""
+        leaving = torch.ones(next(iter(self.layers.values())).keys.shape[0], dtype=torch.bool)
+        leaving[keep.cpu()] = False
+        self.finished += self.read(leaving)
+
+    def read(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """MRI of every live (kv head, token) of ``rows`` [B] bool, one tensor per layer."""
+        return [layer.meta["mri"][rows.to(layer.keys.device)][layer.live()[rows.to(layer.keys.device)]].cpu()
+                for layer in self.layers.values()]
 
     def should_compress(self, layer, budget):
         return False
@@ -65,16 +77,23 @@ def load_prompts(path, samples: int, seed: int = 0) -> list[str]:
 
 
 def collect_mri(model, tokenizer, prompts, max_new_tokens: int, alpha: float,
-                head_reduction: str = "mean") -> tuple[np.ndarray, list[int]]:
-    """Full-cache generation per prompt. Returns every live token's final MRI (all layers, kv
-    heads and samples) and the number of tokens generated per prompt."""
+                head_reduction: str = "mean", batch_size: int = 1) -> tuple[np.ndarray, list[int]]:
+    """Full-cache generation, ``batch_size`` prompts at a time. Returns every live token's final
+    MRI (all layers, kv heads and samples) and the number of tokens generated per prompt.
+
+    A row leaves the batch at its EOS (``check_every`` 1), so no token after EOS is ever
+    observed, and its MRIs are read as it leaves: batching gives the same tokens as one prompt
+    per call up to the float differences of batched matmuls."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     config = GenerateConfig(max_new_tokens=max_new_tokens, check_every=1)  # stop exactly at EOS
     mris, generated = [], []
-    for prompt in prompts:
+    for start in range(0, len(prompts), batch_size):
         recorder = MRIRecorder(alpha=alpha, head_reduction=head_reduction)
-        result = generate(model, tokenizer, [prompt], Policy(scorer=recorder), config)
-        mris += [layer.meta["mri"][layer.live()].cpu() for layer in recorder.layers.values()]
-        generated.append(result.stats[0].generated_tokens)
+        result = generate(model, tokenizer, prompts[start: start + batch_size], Policy(scorer=recorder), config)
+        remaining = recorder.layers and next(iter(recorder.layers.values())).keys.shape[0]
+        mris += recorder.finished + (recorder.read(torch.ones(remaining, dtype=torch.bool)) if remaining else [])
+        generated += [s.generated_tokens for s in result.stats]
     return torch.cat(mris).round().to(torch.int64).numpy(), generated
 
 
@@ -121,11 +140,11 @@ def save_histogram(mri: np.ndarray, window: int, path: Path, title: str) -> bool
 
 
 def analyze(model, tokenizer, prompts, out, max_new_tokens: int = 1024, alpha: float | None = None,
-            head_reduction: str = "mean", info: dict | None = None) -> dict:
+            head_reduction: str = "mean", info: dict | None = None, batch_size: int = 1) -> dict:
     """Run, summarise, write ``out`` (JSON) and the PNG beside it; return the summary."""
     out = Path(out)
     alpha = resolve_alpha(alpha, getattr(model.config, "model_type", ""), "analyze mri")
-    mri, generated = collect_mri(model, tokenizer, prompts, max_new_tokens, alpha, head_reduction)
+    mri, generated = collect_mri(model, tokenizer, prompts, max_new_tokens, alpha, head_reduction, batch_size)
     summary = {**(info or {}), "samples": len(prompts), "max_new_tokens": max_new_tokens, "alpha": alpha,
                "head_reduction": head_reduction, "mean_generated_tokens": float(np.mean(generated)),
                **summarize(mri)}
@@ -154,6 +173,7 @@ def register(app) -> None:
         alpha: Optional[float] = typer.Option(None, help="Threshold (default: Table 10 value of the model family)."),
         out: Path = typer.Option(Path("kvsieve-mri.json"), help="JSON that lazy window=auto reads; PNG beside it."),
         seed: int = typer.Option(0, help="Seed of the random choice of problems."),
+        batch_size: int = typer.Option(1, help="Prompts generated together (faster; rows leave at their EOS)."),
         device: str = typer.Option("auto"),
         dtype: str = typer.Option("auto"),
     ):
@@ -167,7 +187,8 @@ def register(app) -> None:
             raise typer.BadParameter(str(err)) from None
         lm, tokenizer = models.load_model(model, device=device, dtype=dtype)
         try:
-            s = analyze(lm, tokenizer, prompts, out, max_new_tokens, alpha, info={"model": model, "dataset": str(dataset)})
+            s = analyze(lm, tokenizer, prompts, out, max_new_tokens, alpha,
+                        info={"model": model, "dataset": str(dataset), "batch_size": batch_size}, batch_size=batch_size)
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         table = Table(title=f"MRI of {s['tokens']:,} (layer, kv head, token) entries, {s['samples']} samples, alpha {s['alpha']:g}")

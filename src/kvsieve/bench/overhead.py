@@ -6,11 +6,17 @@ The cache of every layer is filled with ``length`` random post-RoPE keys/values 
 does not depend on their values); each timed step runs one real forward pass of the model on
 one token per row, then the policy's compression (its budget is ``length``, so every step
 evicts exactly what the step appended; methods compressing every ``interval`` steps are
-charged their amortised cost by timing ``interval`` steps). ``full`` runs the same forward pass
+charged one timed compression over ``interval`` steps, see ``time_method``). ``full`` runs the same forward pass
 over the same length without compressing.  Each method runs ``--rounds`` times, interleaved
 with the others, and its fastest round counts (a shared machine's drift hits every method).
 
     kvsieve bench overhead --model smollm2-135m --lengths 512,2048 --batches 1,8
+
+With ``--budget B`` the policies instead hold B tokens while ``full`` holds ``length``: the
+same timed steps then give the decode rate of a bounded cache once ``length`` tokens exist
+vs a full cache of that length (tokens/s ratio = full's ms/step over the policy's).
+
+    kvsieve bench overhead --model smollm2-135m --lengths 8192 --batches 8 --budget 256 --methods tova
 """
 
 from __future__ import annotations
@@ -28,14 +34,15 @@ from kvsieve.methods import method_names
 from kvsieve.policy import SCORERS, compress
 
 
-def filled_cache(model, policy, batch: int, length: int, steps: int) -> SieveCache:
-    """Every layer holds ``length`` random tokens, allocated once for the whole timed run (a
-    bounded policy at budget + interval, ``full`` at length + steps) so no step pays a growth."""
+def filled_cache(model, policy, batch: int, length: int, steps: int, first_pos: int = 0) -> SieveCache:
+    """Every layer holds ``length`` random tokens at positions ``first_pos`` onwards, allocated
+    once for the whole timed run (a bounded policy at budget + interval, ``full`` at length +
+    steps) so no step pays a growth."""
     cfg = model.config
     H, D = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     scorer = policy.scorer
     cache = SieveCache(cfg.num_hidden_layers, meta_init=scorer.meta_init if scorer else None)
-    pos = torch.arange(length, device=model.device).expand(batch, length)
+    pos = torch.arange(first_pos, first_pos + length, device=model.device).expand(batch, length)
     g = torch.Generator(device=model.device).manual_seed(0)
     budgets = policy.layer_budgets(cfg.num_hidden_layers)
     for layer, budget in zip(cache.layers, budgets):
@@ -50,47 +57,76 @@ def filled_cache(model, policy, batch: int, length: int, steps: int) -> SieveCac
             layer.remember_queries(torch.randn(batch, cfg.num_attention_heads, w, D, generator=g,
                                                device=model.device, dtype=model.dtype), pos[:, -w:])
         layer.scaling = D ** -0.5
-    cache.seen_tokens = torch.full((batch,), length, dtype=torch.long, device=model.device)
+    cache.seen_tokens = torch.full((batch,), first_pos + length, dtype=torch.long, device=model.device)
     return cache
 
 
+def append_random(model, cache: SieveCache, count: int) -> None:
+    """Append ``count`` random tokens to every layer (untimed), as if ``count`` steps had run."""
+    cfg = model.config
+    B, H, _, D = cache.layers[0].keys.shape
+    pos = cache.seen_tokens[:, None] + torch.arange(count, device=model.device)
+    g = torch.Generator(device=model.device).manual_seed(1)
+    for layer in cache.layers:
+        cache.begin_step(pos)
+        kv = torch.randn(2, B, H, count, D, generator=g, device=model.device, dtype=model.dtype)
+        layer.update(kv[0], kv[1], pos)
+    cache.seen_tokens = cache.seen_tokens + count
+
+
 @torch.inference_mode()
-def time_method(model, method: str, batch: int, length: int, steps: int, max_interval: int = 32) -> float:
-    """Seconds per decode step (forward + the policy's amortised compression).  Methods that
-    compress every I > ``max_interval`` steps (AMS 512, SkipKV 128) are timed at I = ``max_interval``:
-    their compression is charged more often than by default, so the figure is an upper bound."""
+def time_method(model, method: str, batch: int, length: int, steps: int, budget: int | None = None) -> float:
+    """Seconds per decode step: the forward pass plus the policy's compression amortised over
+    its interval I.  Every-step methods (I = 1) run ``steps`` steps exactly as in ``generate``,
+    each compressing.  Interval methods (SnapKV 64, SkipKV 128, AMS 512, ...) time min(steps, I)
+    forward steps (their per-step observation included); the cache is then topped up with
+    random tokens to budget + I, untimed, and one compression is timed and charged 1/I per step.
+    A policy holds ``budget`` tokens (default ``length``) after ``length`` tokens were seen."""
     if method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
         return float("nan")  # no budget to hold the length at (LagKV)
+    held = length if budget is None or method == "full" else budget
     settings = {"window": 16} if method == "lazy" else {}
-    policy = make_policy(method, budget=None if method == "full" else length, **settings)
-    if policy.scorer is not None and policy.interval > max_interval:
-        policy = make_policy(method, budget=length, interval=max_interval, **settings)
+    policy = make_policy(method, budget=None if method == "full" else held, **settings)
     interval = policy.interval if policy.scorer else 1
-    n = max(steps, interval) // interval * interval
-    cache = filled_cache(model, policy, batch, length, n)
+    n = steps if interval == 1 else min(steps, interval)
     budgets = policy.layer_budgets(model.config.num_hidden_layers)
     observer = policy.observer()
     token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
 
-    def step(i):
+    def fresh():
+        return filled_cache(model, policy, batch, held, n + 2, first_pos=length - held)
+
+    def step(cache):
         qpos = cache.seen_tokens[:, None]
         cache.begin_step(qpos)
         model(input_ids=token, position_ids=qpos, past_key_values=cache, use_cache=True, logits_to_keep=1,
               kvsieve=StepState(cache=cache, query_pos=qpos, observer=observer))
         cache.seen_tokens = cache.seen_tokens + 1
-        if policy.scorer is not None and (i + 1) % interval == 0 and policy.needs_compression(cache, budgets):
+        if interval == 1 and policy.scorer is not None and policy.needs_compression(cache, budgets):
             compress(cache, policy, budgets)
 
-    for i in range(min(2, n)):  # warm-up
-        step(i)
-    if policy.scorer is None:  # keep full at the same length: rebuild after the warm-up
-        cache = filled_cache(model, policy, batch, length, n)
+    cache = fresh()
+    for _ in range(2):  # warm-up
+        step(cache)
+    if interval > 1 or policy.scorer is None:  # time the forward steps at the held length
+        cache = fresh()
     _sync(model)
     t0 = time.perf_counter()
-    for i in range(n):
-        step(i)
+    for _ in range(n):
+        step(cache)
     _sync(model)
-    return (time.perf_counter() - t0) / n
+    per_step = (time.perf_counter() - t0) / n
+    if interval > 1:
+        compress_s = float("inf")
+        for _ in range(2):  # the first compression warms up; the faster one counts
+            append_random(model, cache, held + interval - cache.layers[0].live().sum(-1).max().item())
+            _sync(model)
+            t0 = time.perf_counter()
+            compress(cache, policy, budgets)
+            _sync(model)
+            compress_s = min(compress_s, time.perf_counter() - t0)
+        per_step += compress_s / interval
+    return per_step
 
 
 def _sync(model):
@@ -106,8 +142,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the fastest counts")
-    ap.add_argument("--max-interval", type=int, default=32,
-                    help="time interval methods (AMS, SkipKV) at most every this many steps (an upper bound)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="policies hold this many tokens while full holds the length (decode speed-up)")
     ap.add_argument("--out", default="benchmarks/results/policy_overhead.json")
     args = ap.parse_args(argv)
     model, _ = load_for(args)
@@ -130,15 +166,18 @@ def measure(model, args) -> list[dict]:
             for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all alike
                 for method in methods:
                     best[method] = min(best[method], time_method(model, method, batch, length, args.steps,
-                                                                  args.max_interval))
+                                                                  args.budget))
             full = best["full"]
             print(f"batch {batch} length {length}: full {full * 1e3:.1f} ms/step", flush=True)
             for method in methods[1:]:
                 t = best[method]
                 overhead = t / full - 1
-                rows.append({"batch": batch, "length": length, "method": method, "ms_per_step": t * 1e3,
-                             "full_ms_per_step": full * 1e3, "overhead_vs_full": overhead})
-                print(f"  {method:14s} {t * 1e3:8.1f} ms/step  overhead {overhead * 100:+6.1f}%", flush=True)
+                rows.append({"batch": batch, "length": length, "budget": args.budget, "method": method,
+                             "ms_per_step": t * 1e3, "full_ms_per_step": full * 1e3, "overhead_vs_full": overhead,
+                             "speedup_vs_full": full / t})
+                versus = (f"overhead {overhead * 100:+6.1f}%" if args.budget is None
+                          else f"{full / t:5.2f}x full's tokens/s (holding {args.budget} of {length} tokens)")
+                print(f"  {method:14s} {t * 1e3:8.1f} ms/step  {versus}", flush=True)
     return rows
 
 

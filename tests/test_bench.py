@@ -1,0 +1,43 @@
+"""``kvsieve bench overhead``: the timed caches hold what the figures claim they hold."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvsieve import make_policy
+from kvsieve.attention import ATTN_IMPLEMENTATION
+from kvsieve.bench.overhead import append_random, filled_cache, time_method
+
+
+@pytest.fixture()
+def model(smollm):
+    model, _ = smollm
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    yield model
+    model.set_attn_implementation(previous)
+
+
+def test_filled_cache_holds_length_tokens_at_the_given_positions_and_append_adds_more(model):
+    policy = make_policy("snapkv", budget=96)
+    cache = filled_cache(model, policy, batch=2, length=96, steps=4, first_pos=100)
+    layer = cache.layers[0]
+    assert layer.live().sum(-1).tolist() == [[96] * 3] * 2
+    assert sorted(layer.meta["pos"][0, 0][layer.live()[0, 0]].tolist()) == list(range(100, 196))
+    assert cache.seen_tokens.tolist() == [196, 196]
+    append_random(model, cache, 5)
+    assert all(l.live().sum(-1).eq(101).all() for l in cache.layers)
+    assert cache.seen_tokens.tolist() == [201, 201]
+
+
+@pytest.mark.parametrize("method", ["full", "tova", "snapkv"])
+def test_time_method_gives_a_finite_step_time_for_every_step_and_interval_methods(model, method):
+    t = time_method(model, method, batch=1, length=96, steps=2)
+    assert 0 < t < 60
+    assert 0 < time_method(model, method, batch=1, length=160, steps=2, budget=96) < 60
+
+
+def test_lagkv_has_no_budget_to_hold_a_length_at():
+    assert math.isnan(time_method(None, "lagkv", batch=1, length=64, steps=2))
