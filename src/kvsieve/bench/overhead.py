@@ -22,6 +22,7 @@ vs a full cache of that length (tokens/s ratio = full's ms/step over the policy'
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -165,12 +166,15 @@ def measure(model, args) -> list[dict]:
             best = {m: float("inf") for m in methods}
             for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all alike
                 for method in methods:
-                    best[method] = min(best[method], time_method(model, method, batch, length, args.steps,
-                                                                  args.budget))
+                    t = time_method(model, method, batch, length, args.steps, args.budget)
+                    best[method] = t if math.isnan(t) else min(best[method], t)
             full = best["full"]
             print(f"batch {batch} length {length}: full {full * 1e3:.1f} ms/step", flush=True)
             for method in methods[1:]:
                 t = best[method]
+                if math.isnan(t):
+                    print(f"  {method:14s} not timed: no token budget to hold the length at", flush=True)
+                    continue
                 overhead = t / full - 1
                 rows.append({"batch": batch, "length": length, "budget": args.budget, "method": method,
                              "ms_per_step": t * 1e3, "full_ms_per_step": full * 1e3, "overhead_vs_full": overhead,
