@@ -41,3 +41,25 @@ def test_time_method_gives_a_finite_step_time_for_every_step_and_interval_method
 
 def test_lagkv_has_no_budget_to_hold_a_length_at():
     assert math.isnan(time_method(None, "lagkv", batch=1, length=64, steps=2))
+
+
+def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):
+    """Padding is dead after prefill in kvsieve, so sorting prompts by length (SkipKV Eq. 12)
+    can only change padding and prefill work, never a row's live KV tokens."""
+    import argparse
+    import json
+
+    from kvsieve.bench.grouping import measure
+
+    model, tok = smollm
+    questions = ["What is 2 + 2?", "A farmer has 17 sheep and buys 5 more, then sells 3 of them at the market. "
+                 "How many sheep does the farmer have now?", "What is 9 times 3?",
+                 "Sara reads 12 pages a day for 4 days and then 7 pages on the fifth day. How many pages in all?"]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in questions))
+    args = argparse.Namespace(dataset="gsm8k", data=str(data), samples=4, batch=2, new_tokens=4,
+                              method="streaming", budget=64)
+    result = measure(model, tok, args)
+    plain, grouped = result["rows"]
+    assert grouped["padding_tokens"] < plain["padding_tokens"]
+    assert result["identical_peaks"] == 4 and result["prompts"] == 4

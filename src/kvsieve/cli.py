@@ -179,7 +179,7 @@ def demo(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, overhead, memory, throughput or long")):
+def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, overhead, memory, throughput, long or grouping")):
     """Run a benchmark (pass its own options after the name; NAME --help lists them)."""
     from importlib import import_module
 

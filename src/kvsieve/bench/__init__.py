@@ -7,6 +7,7 @@
 * ``memory``    peak allocated KV bytes as generation grows (bounded methods stay flat)
 * ``throughput`` largest batch under a KV memory limit and total tokens/s there, vs full
 * ``long``      tokens/s of full vs bounded methods over long generations
+* ``grouping``  what SkipKV's batch grouping by prefill length changes in kvsieve
 """
 
-BENCHMARKS = ("engine", "overhead", "memory", "throughput", "long")
+BENCHMARKS = ("engine", "overhead", "memory", "throughput", "long", "grouping")
