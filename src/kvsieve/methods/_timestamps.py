@@ -68,7 +68,10 @@ def observe_timestamps(layer, probs: torch.Tensor, query_pos: torch.Tensor, alph
     new_ts = torch.maximum(ts, hit.amax(dim=2))  # Alg. 1 line 3
     if track_mri:  # Alg. 1 line 6, from the *previous* TS
         # TS_{t-1} seen by each query: the old TS, then activations of earlier queries of this call
-        before = torch.cat([ts[:, :, None], hit[:, :, :-1]], dim=2).cummax(dim=2).values
-        gap = (hit - before).amax(dim=2)  # -inf where never activated in this call
+        if hit.shape[2] == 1:  # one decode step: the previous TS is the stored one
+            gap = hit[:, :, 0] - ts
+        else:
+            before = torch.cat([ts[:, :, None], hit[:, :, :-1]], dim=2).cummax(dim=2).values
+            gap = (hit - before).amax(dim=2)  # -inf where never activated in this call
         torch.maximum(layer.meta["mri"], gap, out=layer.meta["mri"])  # Eq. (1), in place
     layer.meta["ts"].copy_(new_ts)  # in place: per-token state keeps its address (captured steps)

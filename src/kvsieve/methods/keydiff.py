@@ -8,6 +8,7 @@ the normalised keys, and a token's score is its negated cosine similarity to the
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
 from ..policy import Scorer, register
@@ -21,7 +22,10 @@ class KeyDiff(Scorer):
     source = "Park et al. 2025 (arXiv:2504.15364), Sec. 3"
 
     def score(self, layer, seen_tokens):
-        keys = F.normalize(layer.keys.float(), dim=-1)  # [B, H_kv, cap, D]
-        live = layer.live()[..., None]  # [B, H_kv, cap, 1]
-        anchor = (keys * live).sum(dim=2) / live.sum(dim=2).clamp(min=1)  # [B, H_kv, D]
-        return -(keys @ F.normalize(anchor, dim=-1)[..., None]).squeeze(-1)
+        # two passes over the keys, no normalised copy: cos(k, a) = (k . a_hat) / |k|
+        keys = layer.keys.float()  # [B, H_kv, cap, D]
+        inv_norm = 1.0 / keys.norm(dim=-1).clamp(min=1e-12)  # [B, H_kv, cap]
+        weight = layer.live() * inv_norm  # dead slots weigh 0 in the anchor
+        anchor = torch.einsum("bhcd,bhc->bhd", keys, weight)  # sum of live normalised keys
+        anchor = F.normalize(anchor, dim=-1)  # the mean's direction: its scale cancels in the cosine
+        return -(keys @ anchor[..., None]).squeeze(-1) * inv_norm
