@@ -313,6 +313,24 @@ def test_report_files(tmp_path):
         write_report(tmp_path / "empty")
 
 
+def test_cells_report_peak_live_tokens_per_head_and_mark_cells_that_never_compressed():
+    from kvsieve.eval.report import table_rows
+
+    base = {"prompt_tokens": 50, "generated_tokens": 30, "kv_heads": 2, "correct": True}
+    rows = [{**base, "id": str(i), "method": "full", "budget": None, "peak_kv_tokens": 160,
+             "compression_events": 0} for i in range(2)]
+    rows += [{**base, "id": str(i), "method": "tova", "budget": 64, "peak_kv_tokens": 130 + 2 * i,
+              "compression_events": 10 * i} for i in range(2)]
+    rows += [{**base, "id": str(i), "method": "h2o", "budget": 128, "peak_kv_tokens": 160,
+              "compression_events": 0} for i in range(2)]
+    full, h2o, tova = summarize(rows)
+    assert tova.peak_live_tokens_per_head == pytest.approx(65.5) and full.peak_live_tokens_per_head == 80
+    assert tova.compression_events == 5 and tova.compressed_share == 0.5
+    columns, cells = table_rows([full, h2o, tova])
+    events = {row[0]: row[columns.index("events")] for row in cells}
+    assert events == {"full": "0.0 (0%)", "h2o": "never compressed", "tova": "5.0 (50%)"}
+
+
 def test_common_keeps_only_samples_every_cell_has():
     from kvsieve.eval.report import common_rows
 

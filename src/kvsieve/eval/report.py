@@ -12,6 +12,10 @@ Definitions (every number is computed from the rows alone):
 * peak KV: allocated cache bytes at the peak (K, V and per-token metadata; a batch's bytes are
   shared equally by its rows), mean over samples;
 * tokens/s: generated tokens over decode time per sample (rows of a batch share the clock).
+* peak live/head: the most live KV tokens any layer held at once, per kv head (the row's
+  ``peak_kv_tokens`` is summed over kv heads), mean over samples;
+* events: compression events per sample (mean), and the share of samples that compressed at
+  least once; a bounded cell where no sample compressed is marked "never compressed".
 * perplexity (``text`` data set): exp(total NLL / total scored tokens) over the cell's chunks.
 """
 
@@ -57,6 +61,9 @@ class CellSummary:
     max_peak_kv_mib: float
     tokens_per_s: float
     perplexity: float | None = None
+    peak_live_tokens_per_head: float | None = None
+    compression_events: float | None = None
+    compressed_share: float | None = None
 
     @property
     def label(self) -> str:
@@ -65,6 +72,11 @@ class CellSummary:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def _largest(tokens: int | list[int]) -> int:
+    """Rows store the largest layer's count; per-layer lists are accepted too."""
+    return max(tokens) if isinstance(tokens, list) else tokens
 
 
 def _compression(row: dict[str, Any]) -> float | None:
@@ -100,12 +112,16 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         ppl = math.exp(sum(r["nll"] for r in scored) / max(sum(r["scored_tokens"] for r in scored), 1)) if scored else None
         gen = [r.get("generated_tokens", 0) for r in group]
         mib = [r.get("peak_kv_bytes", 0) / 2**20 for r in group]
+        peaks = [_largest(r["peak_kv_tokens"]) / r.get("kv_heads", 1) for r in group if r.get("peak_kv_tokens")]
+        events = [r["compression_events"] for r in group if r.get("compression_events") is not None]
         out.append(CellSummary(
             method=key[0], budget=key[1], n=len(group), correct=correct if graded else None, accuracy=accuracy,
             ci_low=low, ci_high=high, retained=retained, mean_generated_tokens=_mean(gen),
             max_generated_tokens=max(gen), kv_compression=_mean(ratios) if ratios else None,
             peak_kv_mib=_mean(mib), max_peak_kv_mib=max(mib), tokens_per_s=_mean([r.get("tokens_per_s", 0.0) for r in group]),
-            perplexity=ppl))
+            perplexity=ppl, peak_live_tokens_per_head=_mean(peaks) if peaks else None,
+            compression_events=_mean(events) if events else None,
+            compressed_share=sum(e > 0 for e in events) / len(events) if events else None))
     return out
 
 
@@ -117,7 +133,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 COLUMNS = ("method", "budget", "n", "accuracy", "95% CI", "retained", "gen mean", "gen max", "KV compr.",
-           "peak KV MiB", "tok/s")
+           "peak KV MiB", "peak live/head", "events", "tok/s")
 
 
 def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -133,8 +149,15 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             ci = f"{s.ci_low:.2f}-{s.ci_high:.2f}" if s.ci_low is not None else "-"
             quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"))
         compression = _fmt(s.kv_compression, ".2f") + ("x" if s.kv_compression else "")
+        if s.compression_events is None:
+            events = "-"
+        elif s.budget is not None and not s.compressed_share:
+            events = "never compressed"
+        else:
+            events = f"{s.compression_events:.1f} ({s.compressed_share:.0%})"
         rows.append((s.method, _fmt(s.budget, "d", "none"), str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
-                     str(s.max_generated_tokens), compression, _fmt(s.peak_kv_mib, ".2f"), _fmt(s.tokens_per_s, ".1f")))
+                     str(s.max_generated_tokens), compression, _fmt(s.peak_kv_mib, ".2f"),
+                     _fmt(s.peak_live_tokens_per_head, ".0f"), events, _fmt(s.tokens_per_s, ".1f")))
     return columns, rows
 
 
