@@ -46,14 +46,17 @@ class MRIRecorder(Scorer):
 
     def before_select_rows(self, keep):
         """Rows that finished leave the cache: keep their final MRIs first."""
-        leaving = torch.ones(next(iter(self.layers.values())).keys.shape[0], dtype=torch.bool)
-        leaving[keep.cpu()] = False
+        leaving = torch.ones(self.rows(), dtype=torch.bool, device=keep.device)
+        leaving[keep] = False
         self.finished += self.read(leaving)
+
+    def rows(self) -> int:
+        """Batch rows still in the cache (0 before the first observe)."""
+        return next(iter(self.layers.values())).keys.shape[0] if self.layers else 0
 
     def read(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """MRI of every live (kv head, token) of ``rows`` [B] bool, one tensor per layer."""
-        return [layer.meta["mri"][rows.to(layer.keys.device)][layer.live()[rows.to(layer.keys.device)]].cpu()
-                for layer in self.layers.values()]
+        return [layer.meta["mri"][rows][layer.live()[rows]].cpu() for layer in self.layers.values()]
 
     def should_compress(self, layer, budget):
         return False
@@ -91,8 +94,8 @@ def collect_mri(model, tokenizer, prompts, max_new_tokens: int, alpha: float,
     for start in range(0, len(prompts), batch_size):
         recorder = MRIRecorder(alpha=alpha, head_reduction=head_reduction)
         result = generate(model, tokenizer, prompts[start: start + batch_size], Policy(scorer=recorder), config)
-        remaining = recorder.layers and next(iter(recorder.layers.values())).keys.shape[0]
-        mris += recorder.finished + (recorder.read(torch.ones(remaining, dtype=torch.bool)) if remaining else [])
+        remaining = torch.ones(recorder.rows(), dtype=torch.bool, device=model.device)
+        mris += recorder.finished + recorder.read(remaining)
         generated += [s.generated_tokens for s in result.stats]
     return torch.cat(mris).round().to(torch.int64).numpy(), generated
 

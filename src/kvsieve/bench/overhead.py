@@ -40,32 +40,32 @@ def filled_cache(model, policy, batch: int, length: int, steps: int, first_pos: 
     once for the whole timed run (a bounded policy at budget + interval, ``full`` at length +
     steps) so no step pays a growth."""
     cfg = model.config
-    H, D = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     scorer = policy.scorer
     cache = SieveCache(cfg.num_hidden_layers, meta_init=scorer.meta_init if scorer else None)
+    cache.seen_tokens = torch.full((batch,), first_pos, dtype=torch.long, device=model.device)
+    append_random(model, cache, length)
     pos = torch.arange(first_pos, first_pos + length, device=model.device).expand(batch, length)
     g = torch.Generator(device=model.device).manual_seed(0)
-    budgets = policy.layer_budgets(cfg.num_hidden_layers)
-    for layer, budget in zip(cache.layers, budgets):
+    D = cache.layers[0].keys.shape[-1]
+    for layer in cache.layers:
         layer.query_window = scorer.query_window() if scorer else 0
         layer.capacity_hint = length + (policy.interval if scorer else steps + 2)
-        cache.begin_step(pos)
-        kv = torch.randn(2, batch, H, length, D, generator=g, device=model.device, dtype=model.dtype)
-        layer.update(kv[0], kv[1], pos)
         layer.reserve(layer.capacity_hint)
         if layer.query_window:
             w = min(layer.query_window, length)
             layer.remember_queries(torch.randn(batch, cfg.num_attention_heads, w, D, generator=g,
                                                device=model.device, dtype=model.dtype), pos[:, -w:])
         layer.scaling = D ** -0.5
-    cache.seen_tokens = torch.full((batch,), first_pos + length, dtype=torch.long, device=model.device)
     return cache
 
 
 def append_random(model, cache: SieveCache, count: int) -> None:
-    """Append ``count`` random tokens to every layer (untimed), as if ``count`` steps had run."""
+    """Append ``count`` random tokens to every layer (untimed), as if ``count`` steps had run
+    (rows and positions come from ``cache.seen_tokens``)."""
     cfg = model.config
-    B, H, _, D = cache.layers[0].keys.shape
+    H = cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    B = cache.seen_tokens.shape[0]
     pos = cache.seen_tokens[:, None] + torch.arange(count, device=model.device)
     g = torch.Generator(device=model.device).manual_seed(1)
     for layer in cache.layers:

@@ -74,11 +74,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _largest(tokens: int | list[int]) -> int:
-    """Rows store the largest layer's count; per-layer lists are accepted too."""
-    return max(tokens) if isinstance(tokens, list) else tokens
-
-
 def _compression(row: dict[str, Any]) -> float | None:
     kept = row.get("final_kv_tokens") or 0
     if kept <= 0:
@@ -112,7 +107,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         ppl = math.exp(sum(r["nll"] for r in scored) / max(sum(r["scored_tokens"] for r in scored), 1)) if scored else None
         gen = [r.get("generated_tokens", 0) for r in group]
         mib = [r.get("peak_kv_bytes", 0) / 2**20 for r in group]
-        peaks = [_largest(r["peak_kv_tokens"]) / r.get("kv_heads", 1) for r in group if r.get("peak_kv_tokens")]
+        peaks = [r["peak_kv_tokens"] / r.get("kv_heads", 1) for r in group if r.get("peak_kv_tokens")]
         events = [r["compression_events"] for r in group if r.get("compression_events") is not None]
         out.append(CellSummary(
             method=key[0], budget=key[1], n=len(group), correct=correct if graded else None, accuracy=accuracy,
