@@ -11,10 +11,10 @@ The window's own tokens are kept (the recent protection).
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import window_attention
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, pool_along_sequence, reduce_group, register
+from ._keysim import mean_similarity_to_others, unit_keys
 
 
 @register("rkv")
@@ -59,12 +59,8 @@ class RKV(Scorer):
 
     def redundancy(self, layer) -> torch.Tensor:
         """[B, H_kv, cap]: softmax over live tokens of each key's mean cosine similarity to the others."""
-        keys = F.normalize(layer.keys.float(), dim=-1)
         live = layer.live()  # [B, H_kv, cap]
-        sim = keys @ keys.transpose(-1, -2)  # [B, H_kv, cap, cap]
-        pair = live[..., :, None] & live[..., None, :]
-        pair &= ~torch.eye(sim.shape[-1], dtype=torch.bool, device=sim.device)
-        mean_sim = (sim * pair).sum(-1) / pair.sum(-1).clamp(min=1)
+        mean_sim = mean_similarity_to_others(unit_keys(layer.keys, live), live)
         return mean_sim.masked_fill(~live, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
     def score(self, layer, seen_tokens):

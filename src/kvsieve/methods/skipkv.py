@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ..attention import visible, window_attention
 from ..cache import DEAD_POS
 from ..policy import Scorer, check_choice, pool_along_sequence, register
+from ._keysim import mean_similarity_to_others, softmax_similarity_mean, unit_keys
 from ..steering import DELIMITERS, vocab_ids
 
 
@@ -207,15 +208,11 @@ class SkipKV(Scorer):
         return pool_along_sequence(mean, live, self.kernel, "max")
 
     def key_redundancy(self, layer, live):
-        """[B, H_kv, cap] R of Eq. 5 over live keys."""
-        keys = F.normalize(layer.keys.float(), dim=-1)  # K-bar
-        sim = keys @ keys.transpose(-1, -2)  # [B, H, cap, cap]
-        pair = live[..., :, None] & live[..., None, :]
-        pair &= ~torch.eye(sim.shape[-1], dtype=torch.bool, device=sim.device)  # a key is not its own repeat
+        """[B, H_kv, cap] R of Eq. 5 over live keys (``redundancy="rkv"``: R-KV's form)."""
+        unit = unit_keys(layer.keys, live)  # K-bar
         if self.redundancy == "eq5":  # row-softmax over the others, then the mean over rows (Eq. 5)
-            rows = sim.masked_fill(~pair, float("-inf")).softmax(-1).nan_to_num(0.0)
-            return rows.sum(-2) / live.sum(-1, keepdim=True).clamp(min=1)
-        mean_sim = (sim * pair).sum(-1) / pair.sum(-1).clamp(min=1)
+            return softmax_similarity_mean(unit, live)
+        mean_sim = mean_similarity_to_others(unit, live)
         return mean_sim.masked_fill(~live, float("-inf")).softmax(-1).nan_to_num(0.0)
 
     def label(self, layer) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""Key redundancy from pairwise cosine similarity, shared by R-KV (``rkv``) and SkipKV (``skipkv``).
+
+Both papers score a cached key by how similar it is to the other live keys of its (row, kv
+head).  The similarity matrix is cap x cap per head, so neither function below materialises it
+for the whole cache at once:
+
+* ``mean_similarity_to_others`` needs no matrix at all: for unit keys k_i,
+  sum_{j != i} k_i . k_j = k_i . (sum_j k_j) - k_i . k_i, one pass over the keys.
+* ``softmax_similarity_mean`` (SkipKV Eq. 5: a softmax over each row, then the mean over rows)
+  is inherently quadratic; it runs over blocks of ``block`` rows so the working set stays small.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def unit_keys(keys: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[B, H, cap, D] fp32 keys normalised to length 1, zero on dead slots (K-bar)."""
+    return F.normalize(keys.float(), dim=-1) * live[..., None]
+
+
+def mean_similarity_to_others(unit: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[B, H, cap]: each live key's mean cosine similarity to the *other* live keys of its head
+    (0 on dead slots and for a head's only key).  unit: ``unit_keys`` output; live: [B, H, cap]."""
+    total = unit.sum(dim=2, keepdim=True)  # [B, H, 1, D]: dead slots are zero vectors
+    to_all = (unit * total).sum(-1)  # k_i . sum_j k_j
+    self_sim = unit.square().sum(-1)  # k_i . k_i (1, or 0 for a zero key)
+    others = (live.sum(-1, keepdim=True) - 1).clamp(min=1)
+    return ((to_all - self_sim) / others) * live
+
+
+def softmax_similarity_mean(unit: torch.Tensor, live: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """[B, H, cap]: R_j = (1 / n) sum_i softmax_{j' != i, live}(k_i . k_j')_j over live rows i
+    (SkipKV Eq. 5; n live keys; a row with no other live key contributes nothing)."""
+    B, H, cap, _ = unit.shape
+    out = unit.new_zeros(B, H, cap)
+    col_dead = ~live[:, :, None, :]  # [B, H, 1, cap]
+    for start in range(0, cap, block):
+        stop = min(start + block, cap)
+        sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H, rows, cap]
+        self_pair = torch.arange(start, stop, device=unit.device)[:, None] == torch.arange(cap, device=unit.device)
+        sim.masked_fill_(col_dead | self_pair, float("-inf"))
+        rows = sim.softmax(-1).nan_to_num_(0.0) * live[:, :, start:stop, None]  # dead rows do not vote
+        out += rows.sum(2)
+    return out / live.sum(-1, keepdim=True).clamp(min=1)
