@@ -33,14 +33,37 @@ def test_filled_cache_holds_length_tokens_at_the_given_positions_and_append_adds
 
 
 @pytest.mark.parametrize("method", ["full", "tova", "snapkv"])
-def test_time_method_gives_a_finite_step_time_for_every_step_and_interval_methods(model, method):
-    t = time_method(model, method, batch=1, length=96, steps=2)
-    assert 0 < t < 60
-    assert 0 < time_method(model, method, batch=1, length=160, steps=2, budget=96) < 60
+def test_time_method_gives_finite_paired_step_times_for_every_step_and_interval_methods(model, method):
+    ours, full = time_method(model, method, batch=1, length=96, steps=2)
+    assert 0 < ours < 60 and 0 < full < 60
+    if method == "full":
+        assert ours == full  # full against itself is one measurement
+    ours, full = time_method(model, method, batch=1, length=160, steps=2, budget=96)
+    assert 0 < ours < 60 and 0 < full < 60
+
+
+def test_paired_timing_runs_full_and_the_method_alternately_on_their_own_caches(model, monkeypatch):
+    """Each timed step of the method sits next to a timed step of full (alternating order), and
+    the method's cache holds the budget while full's holds the length."""
+    import kvsieve.bench.overhead as overhead
+
+    order, held = [], {}
+    real_step = overhead._Timed.step
+
+    def spy(self):
+        order.append(self.policy.name)
+        held[self.policy.name] = int(self.cache.layers[0].live().sum(-1).max())
+        return real_step(self)
+
+    monkeypatch.setattr(overhead._Timed, "step", spy)
+    time_method(model, "tova", batch=1, length=160, steps=4, budget=96)
+    timed = order[4:]  # after two warm-up rounds of both
+    assert timed == ["full", "tova", "tova", "full", "full", "tova", "tova", "full"]
+    assert held["tova"] == 96 and held["full"] >= 160
 
 
 def test_lagkv_has_no_budget_to_hold_a_length_at():
-    assert math.isnan(time_method(None, "lagkv", batch=1, length=64, steps=2))
+    assert all(math.isnan(t) for t in time_method(None, "lagkv", batch=1, length=64, steps=2))
 
 
 def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):

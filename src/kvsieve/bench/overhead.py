@@ -6,9 +6,11 @@ The cache of every layer is filled with ``length`` random post-RoPE keys/values 
 does not depend on their values); each timed step runs one real forward pass of the model on
 one token per row, then the policy's compression (its budget is ``length``, so every step
 evicts exactly what the step appended; methods compressing every ``interval`` steps are
-charged one timed compression over ``interval`` steps, see ``time_method``). ``full`` runs the same forward pass
-over the same length without compressing.  Each method runs ``--rounds`` times, interleaved
-with the others, and its fastest round counts (a shared machine's drift hits every method).
+charged one timed compression over ``interval`` steps, see ``time_method``). ``full`` runs the same
+forward pass over the same length without compressing, step for step with the method (paired,
+alternating which goes first), and each figure is a median over steps, so a shared machine's
+drift hits both sides of a ratio alike.  With ``--rounds R`` each method gets R paired runs
+and the run with the median ratio is reported.
 
     kvsieve bench overhead --model smollm2-135m --lengths 512,2048 --batches 1,8
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -41,7 +44,7 @@ def filled_cache(model, policy, batch: int, length: int, steps: int, first_pos: 
     steps) so no step pays a growth."""
     cfg = model.config
     scorer = policy.scorer
-    cache = SieveCache(cfg.num_hidden_layers, meta_init=scorer.meta_init if scorer else None)
+    cache = SieveCache.for_scorer(cfg.num_hidden_layers, scorer)
     cache.seen_tokens = torch.full((batch,), first_pos, dtype=torch.long, device=model.device)
     append_random(model, cache, length)
     pos = torch.arange(first_pos, first_pos + length, device=model.device).expand(batch, length)
@@ -75,59 +78,91 @@ def append_random(model, cache: SieveCache, count: int) -> None:
     cache.seen_tokens = cache.seen_tokens + count
 
 
-@torch.inference_mode()
-def time_method(model, method: str, batch: int, length: int, steps: int, budget: int | None = None) -> float:
-    """Seconds per decode step: the forward pass plus the policy's compression amortised over
-    its interval I.  Every-step methods (I = 1) run ``steps`` steps exactly as in ``generate``,
-    each compressing.  Interval methods (SnapKV 64, SkipKV 128, AMS 512, ...) time min(steps, I)
-    forward steps (their per-step observation included); the cache is then topped up with
-    random tokens to budget + I, untimed, and one compression is timed and charged 1/I per step.
-    A policy holds ``budget`` tokens (default ``length``) after ``length`` tokens were seen."""
-    if method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
-        return float("nan")  # no budget to hold the length at (LagKV)
-    held = length if budget is None or method == "full" else budget
-    settings = {"window": 16} if method == "lazy" else {}
-    policy = make_policy(method, budget=None if method == "full" else held, **settings)
-    interval = policy.interval if policy.scorer else 1
-    n = steps if interval == 1 else min(steps, interval)
-    budgets = policy.layer_budgets(model.config.num_hidden_layers)
-    observer = policy.observer()
-    token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+class _Timed:
+    """One method's filled cache and its decode step, run exactly as ``generate`` runs it."""
 
-    def fresh():
-        return filled_cache(model, policy, batch, held, n + 2, first_pos=length - held)
+    def __init__(self, model, method: str, batch: int, length: int, steps: int, budget: int | None):
+        self.model, self.batch, self.steps = model, batch, steps
+        self.held = length if budget is None or method == "full" else budget
+        self.first_pos = length - self.held
+        settings = {"window": 16} if method == "lazy" else {}
+        self.policy = make_policy(method, budget=None if method == "full" else self.held, **settings)
+        self.interval = self.policy.interval if self.policy.scorer else 1
+        self.budgets = self.policy.layer_budgets(model.config.num_hidden_layers)
+        self.observer = self.policy.observer()
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+        self.reset()
 
-    def step(cache):
+    def reset(self) -> None:
+        """A fresh cache holding ``held`` tokens (allocated once for all the timed steps)."""
+        self.cache = filled_cache(self.model, self.policy, self.batch, self.held, self.steps + 4, self.first_pos)
+
+    def step(self) -> float:
+        """Seconds of one decode step: the forward pass, then an every-step method's compression."""
+        cache, policy = self.cache, self.policy
+        _sync(self.model)
+        t0 = time.perf_counter()
         qpos = cache.seen_tokens[:, None]
         cache.begin_step(qpos)
-        model(input_ids=token, position_ids=qpos, past_key_values=cache, use_cache=True, logits_to_keep=1,
-              kvsieve=StepState(cache=cache, query_pos=qpos, observer=observer))
+        self.model(input_ids=self.token, position_ids=qpos, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1, kvsieve=StepState(cache=cache, query_pos=qpos, observer=self.observer))
         cache.seen_tokens = cache.seen_tokens + 1
-        if interval == 1 and policy.scorer is not None and policy.needs_compression(cache, budgets):
-            compress(cache, policy, budgets)
+        if self.interval == 1 and policy.scorer is not None and policy.needs_compression(cache, self.budgets):
+            compress(cache, policy, self.budgets)
+        _sync(self.model)
+        return time.perf_counter() - t0
 
-    cache = fresh()
-    for _ in range(2):  # warm-up
-        step(cache)
-    if interval > 1 or policy.scorer is None:  # time the forward steps at the held length
-        cache = fresh()
-    _sync(model)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step(cache)
-    _sync(model)
-    per_step = (time.perf_counter() - t0) / n
-    if interval > 1:
-        compress_s = float("inf")
-        for _ in range(2):  # the first compression warms up; the faster one counts
-            append_random(model, cache, held + interval - cache.layers[0].live().sum(-1).max().item())
-            _sync(model)
+    def compression(self) -> float:
+        """Seconds of one compression from ``held + interval`` tokens (the faster of two)."""
+        best = float("inf")
+        for _ in range(2):  # the first one warms up
+            live = self.cache.layers[0].live().sum(-1).max().item()
+            append_random(self.model, self.cache, self.held + self.interval - live)
+            _sync(self.model)
             t0 = time.perf_counter()
-            compress(cache, policy, budgets)
-            _sync(model)
-            compress_s = min(compress_s, time.perf_counter() - t0)
-        per_step += compress_s / interval
-    return per_step
+            compress(self.cache, self.policy, self.budgets)
+            _sync(self.model)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+
+@torch.inference_mode()
+def time_method(model, method: str, batch: int, length: int, steps: int,
+                budget: int | None = None) -> tuple[float, float]:
+    """(seconds per decode step of ``method``, seconds per step of ``full``), measured in pairs.
+
+    The two run step for step, alternating which goes first, each on its own cache, and each
+    figure is the median over the steps, so drift on a shared machine hits both alike.
+    ``full`` holds ``length`` tokens; the method holds ``budget`` (default ``length``) after
+    ``length`` tokens were seen.  Every-step methods (interval 1) compress on every timed step.
+    Interval methods (SnapKV 64, SkipKV 128, AMS 512, ...) time min(steps, I) forward steps
+    (their per-step observation included); the cache is then topped up with random tokens to
+    budget + I, untimed, and one timed compression is charged 1/I per step.
+    Returns (nan, nan) for a method with no token budget to hold (LagKV).
+    """
+    if method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
+        return float("nan"), float("nan")
+    full = _Timed(model, "full", batch, length, steps, None)
+    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget)
+    runners = [r for r in (full, ours) if r is not None]
+    for _ in range(2):  # warm-up
+        for r in runners:
+            r.step()
+    n = steps if ours is None or ours.interval == 1 else min(steps, ours.interval)
+    for r in runners:
+        if r.interval > 1 or r.policy.scorer is None:  # time the forward steps at the held length
+            r.reset()
+    times = {id(r): [] for r in runners}
+    for i in range(n):
+        for r in (runners if i % 2 == 0 else runners[::-1]):
+            times[id(r)].append(r.step())
+    full_s = statistics.median(times[id(full)])
+    if ours is None:
+        return full_s, full_s
+    ours_s = statistics.median(times[id(ours)])
+    if ours.interval > 1:
+        ours_s += ours.compression() / ours.interval
+    return ours_s, full_s
 
 
 def _sync(model):
@@ -142,7 +177,7 @@ def main(argv=None):
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the fastest counts")
+    ap.add_argument("--rounds", type=int, default=1, help="paired runs per method; the median ratio is reported")
     ap.add_argument("--budget", type=int, default=None,
                     help="policies hold this many tokens while full holds the length (decode speed-up)")
     ap.add_argument("--out", default="benchmarks/results/policy_overhead.json")
@@ -162,26 +197,22 @@ def measure(model, args) -> list[dict]:
     rows = []
     for batch in map(int, args.batches.split(",")):
         for length in map(int, args.lengths.split(",")):
-            methods = ["full", *[m for m in args.methods.split(",") if m != "full"]]
-            best = {m: float("inf") for m in methods}
-            for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all alike
-                for method in methods:
-                    t = time_method(model, method, batch, length, args.steps, args.budget)
-                    best[method] = t if math.isnan(t) else min(best[method], t)
-            full = best["full"]
-            print(f"batch {batch} length {length}: full {full * 1e3:.1f} ms/step", flush=True)
-            for method in methods[1:]:
-                t = best[method]
-                if math.isnan(t):
+            print(f"batch {batch} length {length}:", flush=True)
+            for method in [m for m in args.methods.split(",") if m != "full"]:
+                pairs = [time_method(model, method, batch, length, args.steps, args.budget)
+                         for _ in range(args.rounds)]
+                if math.isnan(pairs[0][0]):
                     print(f"  {method:14s} not timed: no token budget to hold the length at", flush=True)
                     continue
-                overhead = t / full - 1
+                ours, full = sorted(pairs, key=lambda p: p[0] / p[1])[(len(pairs) - 1) // 2]  # median ratio
+                overhead = ours / full - 1
                 rows.append({"batch": batch, "length": length, "budget": args.budget, "method": method,
-                             "ms_per_step": t * 1e3, "full_ms_per_step": full * 1e3, "overhead_vs_full": overhead,
-                             "speedup_vs_full": full / t})
+                             "ms_per_step": ours * 1e3, "full_ms_per_step": full * 1e3,
+                             "overhead_vs_full": overhead, "speedup_vs_full": full / ours})
                 versus = (f"overhead {overhead * 100:+6.1f}%" if args.budget is None
-                          else f"{full / t:5.2f}x full's tokens/s (holding {args.budget} of {length} tokens)")
-                print(f"  {method:14s} {t * 1e3:8.1f} ms/step  {versus}", flush=True)
+                          else f"{full / ours:5.2f}x full's tokens/s (holding {args.budget} of {length} tokens)")
+                print(f"  {method:14s} {ours * 1e3:8.1f} ms/step vs full {full * 1e3:8.1f} (paired)  {versus}",
+                      flush=True)
     return rows
 
 
