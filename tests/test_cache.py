@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.cache import DEAD_POS, SieveCache, SieveLayer
+from kvsieve.cache import DEAD_POS, KV_FIELDS, SieveCache, SieveLayer, kv_field
 from kvsieve.policy import indices_from_mask
 
 B, H, D, DV = 2, 3, 4, 5
@@ -350,3 +350,76 @@ def test_remember_queries_keeps_only_the_last_window_across_steps():
     layer.remember_queries(q2, torch.tensor([[2, 3]]))
     assert layer.recent_query_pos.tolist() == [[1, 2, 3]]
     assert torch.equal(layer.recent_queries, torch.cat([q1[:, :, 1:], q2], dim=2))
+
+
+def test_kv_fields_computed_at_append_follow_their_tokens_through_compact_and_evict():
+    """Per-token K/V statistics are computed once per token and then only moved: after appends,
+    a compaction and an in-place eviction they still equal a recomputation on every live slot."""
+    g = torch.Generator().manual_seed(5)
+    layer = SieveLayer(kv_fields=("key_norm", "value_sqnorm"), grow_chunk=4)
+
+    def append(n, first):
+        pos = torch.arange(first, first + n).expand(2, n)
+        layer.update(rand(g, 2, 2, n, D), rand(g, 2, 2, n, D), pos)
+
+    def assert_fields_match():
+        live = layer.live()
+        for name in ("key_norm", "value_sqnorm"):
+            fresh = KV_FIELDS[name](layer.keys, layer.values)
+            assert torch.allclose(layer.meta[name][live], fresh[live])
+            assert (layer.meta[name][~live] == 0).all()
+            assert kv_field(layer, name) is layer.meta[name]
+
+    append(7, 0)
+    assert_fields_match()
+    keep = torch.rand(2, 2, layer.capacity, generator=g) < 0.6
+    keep[..., 7:] = False
+    K = int(keep.sum(-1).max())
+    kept_idx, lengths = indices_from_mask(keep, K)
+    layer.compact(kept_idx, lengths, capacity=K + 3, max_len=K)
+    assert_fields_match()
+    append(2, 7)
+    drop = torch.zeros(2, 2, 1, dtype=torch.long)  # every head drops its slot 0 in place
+    layer.evict(drop, torch.ones(2, 2, dtype=torch.long), max_len=layer.max_len - 1)
+    assert_fields_match()
+
+
+def test_kv_field_is_computed_on_demand_for_a_layer_that_does_not_track_it_and_unknown_fields_fail():
+    g = torch.Generator().manual_seed(6)
+    layer = SieveLayer()
+    layer.update(rand(g, 1, 2, 3, D), rand(g, 1, 2, 3, D), torch.tensor([[0, 1, 2]]))
+    assert torch.allclose(kv_field(layer, "key_norm"), layer.keys.norm(dim=-1))
+    with pytest.raises(ValueError, match="unknown per-token K/V fields"):
+        SieveLayer(kv_fields=("key_mean",))
+    from kvsieve import make_policy
+
+    cache = SieveCache.for_scorer(1, make_policy("caote:keydiff", budget=8).scorer)
+    assert cache.layers[0].kv_fields == ("key_norm", "value_sqnorm")
+
+
+def test_query_window_equals_the_last_w_queries_over_many_steps_chunks_and_row_selection():
+    """The window is a view into a 2w buffer that is only rewound when full: after any mix of
+    decode steps, prefill chunks (shorter or longer than w) and rows leaving, it holds exactly
+    the last w queries seen, oldest first."""
+    g = torch.Generator().manual_seed(7)
+    layer = SieveLayer()
+    layer.update(rand(g, 3, 1, 2, D), rand(g, 3, 1, 2, D), torch.tensor([[0, 1]] * 3))  # rows to select from
+    layer.query_window = 4
+    all_q, all_p = None, None
+    next_pos = 0
+    for T in (3, 1, 1, 1, 2, 1, 6, 1, 1, 1, 1, 1, 2, 1):
+        q = rand(g, 3 if all_q is None or all_q.shape[0] == 3 else 2, 2, T, D)
+        if all_q is not None and all_q.shape[0] != q.shape[0]:
+            q = q[: all_q.shape[0]]
+        p = torch.arange(next_pos, next_pos + T).expand(q.shape[0], T)
+        next_pos += T
+        layer.remember_queries(q, p)
+        all_q = q if all_q is None else torch.cat([all_q, q], dim=2)
+        all_p = p if all_p is None else torch.cat([all_p, p], dim=1)
+        assert torch.equal(layer.recent_queries, all_q[:, :, -4:])
+        assert torch.equal(layer.recent_query_pos, all_p[:, -4:])
+        if next_pos == 16:  # row 1 leaves the batch
+            rows = torch.tensor([0, 2])
+            layer.select_rows(rows)
+            all_q, all_p = all_q[rows], all_p[rows]
+            assert torch.equal(layer.recent_queries, all_q[:, :, -4:])

@@ -5,7 +5,8 @@ Layout of one layer (``SieveLayer``)::
     keys, values   [B, H_kv, capacity, D]   post-RoPE keys and values, never expanded to query heads
     lengths        [B, H_kv]                slots in use per (row, kv head): slots 0 .. length-1
     meta["pos"]    [B, H_kv, capacity]      true position of each cached token (int64, like position_ids)
-    meta[name]     [B, H_kv, capacity]      per-token policy state (H2O sums, TS/MRI, ...)
+    meta[name]     [B, H_kv, capacity]      per-token policy state (H2O sums, TS/MRI, ...) and
+                                            per-token K/V statistics (``KV_FIELDS``: key norms, ...)
 
 Slot layout of one (row, kv head) while generating::
 
@@ -39,6 +40,22 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # slot and never produce an all-masked (NaN) row.
 DEAD_POS = torch.iinfo(torch.int32).max
 
+# Per-token fields a layer computes from each token's own key and value as it is appended (a
+# scorer names those it reads in ``Scorer.kv_fields``), so scoring never re-reads the whole
+# cache for them; they move with K/V like every other per-token field (0 on dead slots).
+KV_FIELDS = {
+    "key_norm": lambda k, v: k.float().norm(dim=-1),  # ||k_i||: Knorm, KeyDiff
+    "value_sqnorm": lambda k, v: v.float().square().sum(dim=-1),  # ||v_i||^2: CAOTE's distances
+}
+
+
+def kv_field(layer, name: str) -> torch.Tensor:
+    """[B, H_kv, capacity] per-token statistic ``name`` of ``KV_FIELDS``: the layer's stored one
+    when it tracks it (built for a scorer listing it in ``kv_fields``), else computed now."""
+    if name in layer.meta:
+        return layer.meta[name]
+    return KV_FIELDS[name](layer.keys, layer.values)
+
 
 class SieveLayer(CacheLayerMixin):
     """One decoder layer's ragged KV store (see the module docstring for the layout)."""
@@ -46,10 +63,15 @@ class SieveLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, meta_init: dict[str, float] | None = None, grow_chunk: int = 256):
+    def __init__(self, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
+                 kv_fields: tuple[str, ...] = ()):
         super().__init__()
         # Per-token state a policy asked for, with the value new tokens start with.
         self.meta_init = dict(meta_init or {})
+        unknown = sorted(set(kv_fields) - set(KV_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown per-token K/V fields {unknown}; known: {sorted(KV_FIELDS)}")
+        self.kv_fields = tuple(kv_fields)  # per-token K/V statistics computed at append (KV_FIELDS)
         self.layer_idx = 0  # set by SieveCache to the decoder layer this store belongs to
         self.grow_chunk = grow_chunk
         # Capacity a bounded policy never needs to exceed (budget + compression interval):
@@ -63,6 +85,9 @@ class SieveLayer(CacheLayerMixin):
         self.query_window = 0
         self.recent_queries: torch.Tensor | None = None  # [B, H_q, w, D]
         self.recent_query_pos: torch.Tensor | None = None  # [B, w]
+        self._query_buf: torch.Tensor | None = None  # [B, H_q, 2w, D]: the window is a view into it
+        self._query_pos_buf: torch.Tensor | None = None  # [B, 2w]
+        self._query_end = 0  # host int: entries of the buffer in use
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
         # Static mode (GenerateConfig.static_shapes): every tensor keeps its address between
         # reallocations (a compaction to the same capacity copies back in place, the query window
@@ -77,12 +102,14 @@ class SieveLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(B, H, 0, value_states.shape[-1])
         self.lengths = torch.zeros(B, H, dtype=torch.long, device=self.device)
         self.meta = {"pos": torch.full((B, H, 0), DEAD_POS, dtype=torch.long, device=self.device)}
-        for name in self.meta_init:
+        for name in (*self.meta_init, *self.kv_fields):
             self.meta[name] = torch.zeros(B, H, 0, dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
     def _fill_value(self, name: str) -> float:
-        return DEAD_POS if name == "pos" else self.meta_init[name]
+        if name == "pos":
+            return DEAD_POS
+        return self.meta_init[name] if name in self.meta_init else 0.0
 
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots per head, growing by at least ``grow_chunk``."""
@@ -111,13 +138,16 @@ class SieveLayer(CacheLayerMixin):
         B, H, T, D = key_states.shape
         self.reserve(self.max_len + T)
         slot = self.lengths[:, :, None] + torch.arange(T, device=self.device)  # [B, H, T]
-        self.keys.scatter_(2, slot[..., None].expand(B, H, T, D), key_states.to(self.dtype))
-        self.values.scatter_(2, slot[..., None].expand(B, H, T, value_states.shape[-1]), value_states.to(self.dtype))
+        key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        self.keys.scatter_(2, slot[..., None].expand(B, H, T, D), key_states)
+        self.values.scatter_(2, slot[..., None].expand(B, H, T, value_states.shape[-1]), value_states)
         if new_pos is None:
             raise RuntimeError("SieveCache.update needs token positions: call cache.begin_step(query_pos) first")
         self.meta["pos"].scatter_(2, slot, new_pos[:, None, :].expand(B, H, T))
         for name, init in self.meta_init.items():
             self.meta[name].scatter_(2, slot, slot.new_full(slot.shape, init, dtype=torch.float32))
+        for name in self.kv_fields:  # from the stored (cast) K/V, so they equal a recomputation
+            self.meta[name].scatter_(2, slot, KV_FIELDS[name](key_states, value_states))
         self.lengths += T
         self.max_len += T
         return self.keys, self.values
@@ -129,13 +159,35 @@ class SieveLayer(CacheLayerMixin):
         if self.static:
             self._remember_in_place(query, query_pos)
             return
-        if self.recent_queries is None:
-            self.recent_queries, self.recent_query_pos = query, query_pos
-        else:
-            self.recent_queries = torch.cat([self.recent_queries, query], dim=2)
-            self.recent_query_pos = torch.cat([self.recent_query_pos, query_pos], dim=1)
-        self.recent_queries = self.recent_queries[:, :, -self.query_window :]
-        self.recent_query_pos = self.recent_query_pos[:, -self.query_window :]
+        # A buffer of 2w slots filled left to right: recent_queries is a view of its last w
+        # entries, and only when the buffer is full are those moved to the front (one copy of
+        # the window every ~w steps instead of every step).
+        w = self.query_window
+        B, Hq, T, D = query.shape
+        buf = self._query_buf
+        if buf is None or buf.shape != (B, Hq, 2 * w, D) or buf.dtype != query.dtype:
+            buf = self._query_buf = query.new_zeros(B, Hq, 2 * w, D)
+            self._query_pos_buf = query_pos.new_full((B, 2 * w), DEAD_POS)
+            self._query_end = 0
+        if T >= w:
+            query, query_pos, T, self._query_end = query[:, :, -w:], query_pos[:, -w:], w, 0
+        elif self._query_end + T > 2 * w:  # full: move the last w - T entries to the front
+            kept = min(w - T, self._query_end)
+            start = self._query_end - kept
+            buf[:, :, :kept] = buf[:, :, start:self._query_end].clone()
+            self._query_pos_buf[:, :kept] = self._query_pos_buf[:, start:self._query_end].clone()
+            self._query_end = kept
+        end = self._query_end + T
+        buf[:, :, self._query_end:end] = query
+        self._query_pos_buf[:, self._query_end:end] = query_pos
+        self._query_end = end
+        self._window_views()
+
+    def _window_views(self) -> None:
+        """Point recent_queries / recent_query_pos at the last w entries of the query buffer."""
+        start = max(0, self._query_end - self.query_window)
+        self.recent_queries = self._query_buf[:, :, start:self._query_end]
+        self.recent_query_pos = self._query_pos_buf[:, start:self._query_end]
 
     def _remember_in_place(self, query: torch.Tensor, query_pos: torch.Tensor) -> None:
         """Static mode: a window of fixed size and address, oldest first; unfilled entries are
@@ -236,7 +288,10 @@ class SieveLayer(CacheLayerMixin):
         self.keys, self.values = self.keys[rows], self.values[rows]
         self.lengths = self.lengths[rows]
         self.meta = {name: t[rows] for name, t in self.meta.items()}
-        if self.recent_queries is not None:
+        if self._query_buf is not None and not self.static:
+            self._query_buf, self._query_pos_buf = self._query_buf[rows], self._query_pos_buf[rows]
+            self._window_views()
+        elif self.recent_queries is not None:
             self.recent_queries, self.recent_query_pos = self.recent_queries[rows], self.recent_query_pos[rows]
 
     # ------------------------------------------------------------------ accounting
@@ -279,12 +334,20 @@ class SieveCache(Cache):
     positions of the tokens they are about to append.
     """
 
-    def __init__(self, num_layers: int, meta_init: dict[str, float] | None = None, grow_chunk: int = 256):
-        super().__init__(layers=[SieveLayer(meta_init, grow_chunk) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
+                 kv_fields: tuple[str, ...] = ()):
+        super().__init__(layers=[SieveLayer(meta_init, grow_chunk, kv_fields) for _ in range(num_layers)])
         for index, layer in enumerate(self.layers):
             layer.layer_idx = index  # the decoder layer this store belongs to
         self.seen_tokens: torch.Tensor | None = None  # [B]
         self.query_pos: torch.Tensor | None = None  # [B, T] positions of the tokens in flight
+
+    @classmethod
+    def for_scorer(cls, num_layers: int, scorer, grow_chunk: int = 256) -> "SieveCache":
+        """A cache carrying the per-token fields ``scorer`` (None for ``full``) reads."""
+        if scorer is None:
+            return cls(num_layers, grow_chunk=grow_chunk)
+        return cls(num_layers, scorer.meta_init, grow_chunk, scorer.kv_fields)
 
     def begin_step(self, query_pos: torch.Tensor) -> None:
         self.query_pos = query_pos

@@ -240,7 +240,7 @@ def generate(
     num_layers = model.config.num_hidden_layers
     budgets = policy.layer_budgets(num_layers)
     scorer = policy.scorer
-    cache = SieveCache(num_layers, meta_init=scorer.meta_init if scorer else None, grow_chunk=config.grow_chunk)
+    cache = SieveCache.for_scorer(num_layers, scorer, grow_chunk=config.grow_chunk)
     static = config.static_shapes or config.cuda_graph
     for layer, budget in zip(cache.layers, budgets):
         layer.static = static

@@ -53,6 +53,7 @@ class Scorer:
     summary: ClassVar[str] = ""
     source: ClassVar[str] = ""
     meta_init: ClassVar[dict[str, float]] = {}  # per-token state -> value for new tokens
+    kv_fields: ClassVar[tuple[str, ...]] = ()  # per-token K/V statistics computed at append (cache.KV_FIELDS)
     observes: ClassVar[bool] = False  # wants observe() with every step's attention rows
     uses_budget: ClassVar[bool] = True  # False: the scorer's own select() decides how many tokens stay
     fits_budget: ClassVar[bool] = False  # uses_budget False but fit_budget() maps a budget to settings

@@ -104,8 +104,8 @@ def test_score_equals_the_true_output_change_of_evicting_one_token():
 def test_per_query_head_base_scores_average_back_to_the_bases_own_score(base, settings):
     policy = make_policy(f"caote:{base}", budget=8, **settings)
     layer, seen = decode_cache(5, meta_init=policy.scorer.meta_init, observer=policy.observer())
-    per_head = policy.scorer.base_scores(layer, seen)  # [B, H, G, cap]
-    assert per_head.shape == (B, H, G, layer.capacity)
+    per_head, copies = policy.scorer.base_scores(layer, seen)  # [B, H, G, cap], one row per query head
+    assert per_head.shape == (B, H, G, layer.capacity) and copies == 1
     live = layer.live()[:, :, None].expand_as(per_head)
     # both bases average their group (SnapKV's avg pooling is linear), so the means agree
     own = make_policy(base, budget=8, **settings).scorer.score(layer, seen)
@@ -121,13 +121,18 @@ def test_per_query_head_base_scores_average_back_to_the_bases_own_score(base, se
 
 @pytest.mark.parametrize("heads", ["layer", "group"])
 def test_tova_per_query_head_scores_are_each_heads_attention_row_or_their_layer_mean(heads):
-    layer, seen = decode_cache(6, ragged=heads == "group")  # layer mode: every head holds the same tokens
-    fast = make_policy("tova", budget=8, heads=heads).scorer.score_per_query_head(layer, seen)  # [B, H, G, cap]
+    """Group mode: each query head's own row ([B, H, G, cap], recomputed from the last query).
+    Layer mode: the layer mean, read from the state observed in the forward pass ([B, H, 1, cap])."""
+    policy = make_policy("tova", budget=8, heads=heads)
+    layer, seen = decode_cache(6, ragged=heads == "group", meta_init=policy.scorer.meta_init,
+                               observer=policy.observer())  # layer mode: every head holds the same tokens
+    fast = policy.scorer.score_per_query_head(layer, seen)
+    assert fast.shape[2] == (G if heads == "group" else 1)
     live = layer.live()
     for b in range(B):
         rows = torch.stack([(layer.keys[b, hq // G] @ layer.recent_queries[b, hq, -1] * SCALE).masked_fill(
             ~live[b, hq // G], float("-inf")).softmax(0) for hq in range(HQ)]).view(H, G, -1)
-        want = rows if heads == "group" else rows.mean(dim=(0, 1), keepdim=True).expand_as(rows)
+        want = rows if heads == "group" else rows.mean(dim=(0, 1), keepdim=True)[0].expand(H, 1, -1)
         for h in range(H):
             assert torch.allclose(fast[b, h][:, live[b, h]], want[h][:, live[b, h]], atol=1e-6)
 
@@ -163,8 +168,9 @@ def test_h2o_scores_are_normalised_by_their_sum_eq_21():
 
 
 def test_layer_averaged_tova_gives_one_score_per_layer_from_every_heads_change():
-    layer, seen = decode_cache(4, ragged=False)  # TOVA's layer average needs aligned heads
     policy = make_policy("caote:tova", budget=4)
+    layer, seen = decode_cache(4, ragged=False, meta_init=policy.scorer.meta_init,
+                               observer=policy.observer())  # TOVA's layer average needs aligned heads
     assert policy.scorer.needs_aligned_heads()
     scores = policy.scorer.score(layer, seen)
     probs = torch.stack([(layer.keys[b, hq // G] @ layer.recent_queries[b, hq, -1] * SCALE)

@@ -62,7 +62,7 @@ def score_text(model, tokenizer, text: str, policy: Policy | None = None, max_to
     positions = torch.arange(len(ids), device=device)[None]
     scorer, num_layers = policy.scorer, model.config.num_hidden_layers
     budgets = policy.layer_budgets(num_layers)
-    cache = SieveCache(num_layers, meta_init=scorer.meta_init if scorer else None)
+    cache = SieveCache.for_scorer(num_layers, scorer)
     for layer in cache.layers:
         layer.query_window = scorer.query_window() if scorer else 0
     observer = policy.observer()

@@ -17,7 +17,7 @@ class WrappingScorer(Scorer):
             raise ValueError(f"{prefix} needs a budgeted base; {base.name!r} sets its own cache size")
         self.inner = base
         self.name = f"{prefix}:{base.name}"
-        self.meta_init, self.observes = base.meta_init, base.observes
+        self.meta_init, self.kv_fields, self.observes = base.meta_init, base.kv_fields, base.observes
 
     def attach(self, model, tokenizer):
         """The base's per-call hook (SkipKV's sentence table and hidden-state read): a wrapper

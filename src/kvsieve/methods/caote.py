@@ -29,18 +29,20 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import DEAD_POS
+from ..cache import DEAD_POS, kv_field
 from ..policy import Scorer
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 
 
-def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False) -> torch.Tensor:
+def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False,
+                 value_sqnorm: torch.Tensor | None = None) -> torch.Tensor:
     """Eviction error of every token for every query head: [B, H_kv, G, S].
 
     scores: [B, H_kv, G, S] base retention scores per query head; values: [B, H_kv, S, D];
-    live: [B, H_kv, S].  Scores are made to sum to 1 over live tokens by an order-preserving
-    affine map: h / sum h (Eq. 21), after shifting by the minimum when it is negative.
+    live: [B, H_kv, S]; value_sqnorm: [B, H_kv, S] ||v_j||^2 if already known (the layer's
+    per-token field), else computed here.  Scores are made to sum to 1 over live tokens by an
+    order-preserving affine map: h / sum h (Eq. 21), after shifting by the minimum when negative.
     """
     live_g = live[:, :, None]  # [B, H, 1, S]
     h = scores.float().masked_fill(~live_g, 0.0)
@@ -51,13 +53,15 @@ def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor,
     h = h / h.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(h.dtype).tiny)  # Eq. (21)
     v = values.float()
     if fast:  # Eq. (22): mean of the cached values instead of the output
-        out = (v * live[..., None]).sum(dim=2) / live.sum(dim=-1, keepdim=True).clamp(min=1)
-        out = out[:, :, None]  # [B, H, 1, D]
+        weight = live.to(v.dtype) / live.sum(dim=-1, keepdim=True).clamp(min=1)
+        out = (weight[:, :, None] @ v)  # [B, H, 1, D]
     else:
         out = h @ v  # [B, H, G, D]: o = V H_norm^T (Eq. 20)
+    if value_sqnorm is None:
+        value_sqnorm = v.square().sum(dim=-1)
     # ||o - v_j|| for every j without materialising the [B, H, G, S, D] differences:
     # ||v_j||^2 - 2 o.v_j + ||o||^2, one matmul (this made caote:<base> cheap enough for every step)
-    sq = v.square().sum(dim=-1)[:, :, None] - 2 * out @ v.transpose(-1, -2) + out.square().sum(dim=-1, keepdim=True)
+    sq = value_sqnorm[:, :, None] - 2 * out @ v.transpose(-1, -2) + out.square().sum(dim=-1, keepdim=True)
     dist = sq.clamp(min=0).sqrt()  # [B, H, G, S]
     # deviation: Eq. (8) is undefined at h_j = 1 (the rest has no weight to renormalise);
     # such a token scores +inf, since evicting it would empty the output.
@@ -97,6 +101,7 @@ class CAOTE(WrappingScorer):
 
     def __post_init__(self, base):
         self.wrap("fastcaote" if self.fast else "caote", base, example="tova")
+        self.kv_fields = tuple(dict.fromkeys((*base.kv_fields, "value_sqnorm")))  # ||v_j||^2 kept per token
         self.slot_order_free = base.slot_order_free  # Eq. 8 is per token: order-free iff the base is
         self.default_sinks, self.default_interval = base.default_sinks, base.default_interval
 
@@ -112,20 +117,24 @@ class CAOTE(WrappingScorer):
     def select(self, layer, scores, budget, seen_tokens):
         return self.inner.select(layer, scores, budget, seen_tokens)
 
-    def base_scores(self, layer, seen_tokens) -> torch.Tensor:
-        """[B, H_kv, G, cap] base scores per query head (G = 1 for a base that reads no queries)."""
+    def base_scores(self, layer, seen_tokens) -> tuple[torch.Tensor, int]:
+        """Base scores per query head, [B, H_kv, G', cap], and how many query heads each of the
+        G' rows stands for (G' = 1 for a base that reads no queries, or whose per-query-head
+        scores are all equal, like TOVA's layer mean)."""
         B, H = layer.lengths.shape
         queries = layer.recent_queries
         group = queries.shape[1] // H if self.inner.query_window() > 0 and queries is not None else 1
         if group == 1:
-            return self.inner.score(layer, seen_tokens)[:, :, None]
+            return self.inner.score(layer, seen_tokens)[:, :, None], 1
         if hasattr(self.inner, "score_per_query_head"):  # no K/V copy per query head (TOVA)
-            return self.inner.score_per_query_head(layer, seen_tokens)
-        return self.inner.score(_PerQueryHead(layer, group), seen_tokens).reshape(B, H, group, -1)
+            per_head = self.inner.score_per_query_head(layer, seen_tokens)
+            return per_head, group // per_head.shape[2]
+        return self.inner.score(_PerQueryHead(layer, group), seen_tokens).reshape(B, H, group, -1), 1
 
     def score(self, layer, seen_tokens):
-        errors = caote_errors(self.base_scores(layer, seen_tokens), layer.values, layer.live(), self.fast)
-        squared = errors.square().sum(dim=2)  # App. B.2: concatenated heads of each kv group
+        scores, copies = self.base_scores(layer, seen_tokens)
+        errors = caote_errors(scores, layer.values, layer.live(), self.fast, kv_field(layer, "value_sqnorm"))
+        squared = errors.square().sum(dim=2) * copies  # App. B.2: concatenated heads of each kv group
         if self.needs_aligned_heads():  # one decision per layer: every head's change counts
             squared = squared.sum(dim=1, keepdim=True).expand_as(squared)
         return squared.sqrt()  # [B, H_kv, cap]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cache import kv_field
 from ..policy import Scorer, register
 
 
@@ -20,11 +21,13 @@ class KeyDiff(Scorer):
     summary = "negated cosine similarity to the mean key (attention-free)"
     slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Park et al. 2025 (arXiv:2504.15364), Sec. 3"
+    kv_fields = ("key_norm",)
 
     def score(self, layer, seen_tokens):
-        # two passes over the keys, no normalised copy: cos(k, a) = (k . a_hat) / |k|
+        # two passes over the keys, no normalised copy: cos(k, a) = (k . a_hat) / |k|, with the
+        # key norms computed once per token as it was appended
         keys = layer.keys.float()  # [B, H_kv, cap, D]
-        inv_norm = 1.0 / keys.norm(dim=-1).clamp(min=1e-12)  # [B, H_kv, cap]
+        inv_norm = 1.0 / kv_field(layer, "key_norm").clamp(min=1e-12)  # [B, H_kv, cap]
         weight = layer.live() * inv_norm  # dead slots weigh 0 in the anchor
         anchor = torch.einsum("bhcd,bhc->bhd", keys, weight)  # sum of live normalised keys
         anchor = F.normalize(anchor, dim=-1)  # the mean's direction: its scale cancels in the cosine

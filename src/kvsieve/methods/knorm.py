@@ -7,6 +7,7 @@ the negated norm of the post-RoPE key. Attention-free; no hyperparameters.
 
 from dataclasses import dataclass
 
+from ..cache import kv_field
 from ..policy import Scorer, register
 
 
@@ -16,6 +17,7 @@ class Knorm(Scorer):
     summary = "negated L2 norm of each key (attention-free)"
     slot_order_free = True  # per-token scores: the engine may evict in place
     source = "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3"
+    kv_fields = ("key_norm",)
 
     def score(self, layer, seen_tokens):
-        return -layer.keys.float().norm(dim=-1)  # [B, H_kv, cap]
+        return -kv_field(layer, "key_norm")  # [B, H_kv, cap], computed once per token as it is appended

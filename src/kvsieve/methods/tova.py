@@ -49,11 +49,13 @@ class TOVA(Scorer):
 
     def score_per_query_head(self, layer, seen_tokens):
         """[B, H_kv, G, cap]: the same scores before the reduction onto kv heads (for CAOTE's
-        per-head errors, App. B.2), without repeating K/V onto the query heads."""
-        last = window_attention(layer)[:, :, :, -1]  # [B, H_kv, G, cap]
+        per-head errors, App. B.2), without repeating K/V onto the query heads.  With
+        heads="layer" every query head has the layer's mean score: it is read from the observed
+        state as [B, H_kv, 1, cap] (G = 1, like a base whose state is per kv head), so no second
+        pass over the keys is needed."""
         if self.heads == "layer":
-            return last.mean(dim=(1, 2), keepdim=True).expand_as(last)
-        return last
+            return self.score(layer, seen_tokens)[:, :, None]
+        return window_attention(layer)[:, :, :, -1]  # [B, H_kv, G, cap]
 
     def score(self, layer, seen_tokens):
         per_head = layer.meta["last_attn"]  # [B, H_kv, cap]
