@@ -41,6 +41,29 @@ def test_budget_at_least_length_reproduces_full(smollm, method):
     assert all(s.compression_events == 0 for s in ours.stats)
 
 
+@pytest.mark.parametrize("method", ["tova", "ams:tova"])
+def test_observing_only_before_a_compression_changes_nothing_for_a_last_query_scorer(smollm, monkeypatch, method):
+    """TOVA's state is the newest query's attention, read only by the compression after every
+    interval-th step, so skipping the observation in between gives the same tokens and the same
+    compressions as observing every step."""
+    from kvsieve.methods.tova import TOVA
+
+    policy = make_policy(method, budget=40, interval=8, **({"recent": 8} if method == "ams:tova" else {}))
+    calls = []
+    real_observe = TOVA.observe
+    monkeypatch.setattr(TOVA, "observe", lambda self, *a: (calls.append(1), real_observe(self, *a)))
+    skipping = tokens(smollm, [SHORT, LONG], policy, n=40)
+    skipped_calls = len(calls)
+    monkeypatch.setattr(TOVA, "observes_last_only", False)
+    calls.clear()
+    every = tokens(smollm, [SHORT, LONG], make_policy(method, budget=40, interval=8,
+                                                      **({"recent": 8} if method == "ams:tova" else {})), n=40)
+    assert skipping.token_ids == every.token_ids
+    assert [s.compression_events for s in skipping.stats] == [s.compression_events for s in every.stats]
+    assert any(s.compression_events > 0 for s in every.stats)
+    assert skipped_calls < len(calls)
+
+
 @pytest.mark.parametrize("allocator", ["pyramid", "adakv"])
 def test_allocators_with_large_budget_reproduce_full(smollm, allocator):
     full = tokens(smollm, [SHORT, LONG], None)

@@ -55,6 +55,9 @@ class Scorer:
     meta_init: ClassVar[dict[str, float]] = {}  # per-token state -> value for new tokens
     kv_fields: ClassVar[tuple[str, ...]] = ()  # per-token K/V statistics computed at append (cache.KV_FIELDS)
     observes: ClassVar[bool] = False  # wants observe() with every step's attention rows
+    # True if the observed state is only the newest query's attention (TOVA): between
+    # compressions the engine then skips observing (see Policy.observes_step)
+    observes_last_only: ClassVar[bool] = False
     uses_budget: ClassVar[bool] = True  # False: the scorer's own select() decides how many tokens stay
     fits_budget: ClassVar[bool] = False  # uses_budget False but fit_budget() maps a budget to settings
     default_sinks: ClassVar[int] = 0
@@ -251,6 +254,13 @@ class Policy:
         """Host-side: does any layer want to compress now?"""
         return self.scorer is not None and any(
             self.scorer.should_compress(layer, b) for layer, b in zip(cache.layers, budgets))
+
+    def observes_step(self, step: int) -> bool:
+        """Whether decode step ``step`` (0-based) must hand its attention rows to the scorer:
+        every step, unless the scorer keeps only the newest query's attention
+        (``observes_last_only``); that is read only by the compression after steps
+        I-1, 2I-1, ..., so the other steps run the fused attention path (no probabilities)."""
+        return not self.scorer.observes_last_only or (step + 1) % self.interval == 0
 
     def observer(self):
         """The attention-row callback for the attention function, or None."""

@@ -96,6 +96,7 @@ class _Timed:
     def reset(self) -> None:
         """A fresh cache holding ``held`` tokens (allocated once for all the timed steps)."""
         self.cache = filled_cache(self.model, self.policy, self.batch, self.held, self.steps + 4, self.first_pos)
+        self.step_index = 0  # decode steps since the last compression, as generate counts them
 
     def step(self) -> float:
         """Seconds of one decode step: the forward pass, then an every-step method's compression."""
@@ -104,8 +105,10 @@ class _Timed:
         t0 = time.perf_counter()
         qpos = cache.seen_tokens[:, None]
         cache.begin_step(qpos)
+        observer = self.observer if self.observer is not None and policy.observes_step(self.step_index) else None
         self.model(input_ids=self.token, position_ids=qpos, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1, kvsieve=StepState(cache=cache, query_pos=qpos, observer=self.observer))
+                   logits_to_keep=1, kvsieve=StepState(cache=cache, query_pos=qpos, observer=observer))
+        self.step_index += 1
         cache.seen_tokens = cache.seen_tokens + 1
         if self.interval == 1 and policy.scorer is not None and policy.needs_compression(cache, self.budgets):
             compress(cache, policy, self.budgets)

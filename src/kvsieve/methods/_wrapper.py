@@ -18,6 +18,7 @@ class WrappingScorer(Scorer):
         self.inner = base
         self.name = f"{prefix}:{base.name}"
         self.meta_init, self.kv_fields, self.observes = base.meta_init, base.kv_fields, base.observes
+        self.observes_last_only = base.observes_last_only
 
     def attach(self, model, tokenizer):
         """The base's per-call hook (SkipKV's sentence table and hidden-state read): a wrapper

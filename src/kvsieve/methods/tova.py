@@ -32,6 +32,7 @@ class TOVA(Scorer):
     source = "Oren et al. 2024 (arXiv:2401.06104), Sec. 3.3"
     meta_init = {"last_attn": 0.0}  # the newest query's attention, group mean per kv head
     observes = True
+    observes_last_only = True  # last_attn is the newest query's row: interval > 1 observes once per interval
     heads: str = "layer"
 
     def __post_init__(self):
