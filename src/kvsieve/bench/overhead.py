@@ -38,6 +38,11 @@ from kvsieve.methods import method_names
 from kvsieve.policy import SCORERS, compress
 
 
+# The wrapped methods of the seed papers (CAOTE Sec. 4, AMS Table 2), timed by default beside
+# every registered scorer
+PAPER_WRAPPED = ("caote:tova", "fastcaote:tova", "caote:h2o", "ams:tova", "ams:expected", "ams:rkv")
+
+
 def filled_cache(model, policy, batch: int, length: int, steps: int, first_pos: int = 0) -> SieveCache:
     """Every layer holds ``length`` random tokens at positions ``first_pos`` onwards, allocated
     once for the whole timed run (a bounded policy at budget + interval, ``full`` at length +
@@ -176,7 +181,7 @@ def _sync(model):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap)
-    ap.add_argument("--methods", default=",".join(m for m in method_names() if m != "full"))
+    ap.add_argument("--methods", default=",".join([*(m for m in method_names() if m != "full"), *PAPER_WRAPPED]))
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=16)
