@@ -145,7 +145,9 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     ``length`` tokens were seen.  Every-step methods (interval 1) compress on every timed step.
     Interval methods (SnapKV 64, SkipKV 128, AMS 512, ...) time min(steps, I) forward steps
     (their per-step observation included); the cache is then topped up with random tokens to
-    budget + I, untimed, and one timed compression is charged 1/I per step.
+    budget + I, untimed, and one timed compression is charged 1/I per step.  A scorer that
+    observes only the step before a compression (TOVA inside AMS) runs unobserved timed steps;
+    its one observed step per interval (about tova's per-step extra, divided by I) is not timed.
     Returns (nan, nan) for a method with no token budget to hold (LagKV).
     """
     if method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
