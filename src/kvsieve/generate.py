@@ -378,7 +378,7 @@ def _decode(model, cache, policy, budgets, config, run, tracker, next_token, obs
         if captured is not None:
             logits = captured(next_token[:, None], query_pos)
         else:
-            step_observer = observer if observer is not None and policy.observes_step(step) else None
+            step_observer = observer if policy.observes_step(step) else None
             logits = _forward(model, cache, next_token[:, None], query_pos, step_observer, run.on_tokens, run.rows)
         cache.seen_tokens = cache.seen_tokens + 1
         tracker.step = step + 1

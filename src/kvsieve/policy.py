@@ -256,10 +256,12 @@ class Policy:
             self.scorer.should_compress(layer, b) for layer, b in zip(cache.layers, budgets))
 
     def observes_step(self, step: int) -> bool:
-        """Whether decode step ``step`` (0-based) must hand its attention rows to the scorer:
-        every step, unless the scorer keeps only the newest query's attention
+        """Whether decode step ``step`` (0-based) must hand its attention rows to the scorer
+        (never when it observes nothing): every step, unless the scorer keeps only the newest query's attention
         (``observes_last_only``); that is read only by the compression after steps
         I-1, 2I-1, ..., so the other steps run the fused attention path (no probabilities)."""
+        if self.scorer is None or not self.scorer.observes:
+            return False
         return not self.scorer.observes_last_only or (step + 1) % self.interval == 0
 
     def observer(self):

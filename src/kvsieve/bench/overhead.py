@@ -110,7 +110,7 @@ class _Timed:
         t0 = time.perf_counter()
         qpos = cache.seen_tokens[:, None]
         cache.begin_step(qpos)
-        observer = self.observer if self.observer is not None and policy.observes_step(self.step_index) else None
+        observer = self.observer if policy.observes_step(self.step_index) else None
         self.model(input_ids=self.token, position_ids=qpos, past_key_values=cache, use_cache=True,
                    logits_to_keep=1, kvsieve=StepState(cache=cache, query_pos=qpos, observer=observer))
         self.step_index += 1

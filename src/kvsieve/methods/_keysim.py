@@ -31,6 +31,13 @@ def mean_similarity_to_others(unit: torch.Tensor, live: torch.Tensor) -> torch.T
     return ((to_all - self_sim) / others) * live
 
 
+def rkv_redundancy(unit: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[B, H, cap]: R-KV's redundancy, the softmax over live tokens of each key's mean cosine
+    similarity to the others (0 on dead slots)."""
+    mean_sim = mean_similarity_to_others(unit, live)
+    return mean_sim.masked_fill(~live, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+
+
 def softmax_similarity_mean(unit: torch.Tensor, live: torch.Tensor, block: int = 256) -> torch.Tensor:
     """[B, H, cap]: R_j = (1 / n) sum_i softmax_{j' != i, live}(k_i . k_j')_j over live rows i
     (SkipKV Eq. 5; n live keys; a row with no other live key contributes nothing)."""

@@ -14,7 +14,7 @@ import torch
 
 from ..attention import window_attention
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, pool_along_sequence, reduce_group, register
-from ._keysim import mean_similarity_to_others, unit_keys
+from ._keysim import rkv_redundancy, unit_keys
 
 
 @register("rkv")
@@ -60,8 +60,7 @@ class RKV(Scorer):
     def redundancy(self, layer) -> torch.Tensor:
         """[B, H_kv, cap]: softmax over live tokens of each key's mean cosine similarity to the others."""
         live = layer.live()  # [B, H_kv, cap]
-        mean_sim = mean_similarity_to_others(unit_keys(layer.keys, live), live)
-        return mean_sim.masked_fill(~live, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        return rkv_redundancy(unit_keys(layer.keys, live), live)
 
     def score(self, layer, seen_tokens):
         attn = window_attention(layer)  # [B, H_kv, G, w, cap]

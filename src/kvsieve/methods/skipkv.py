@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..attention import visible, window_attention
 from ..cache import DEAD_POS
 from ..policy import Scorer, check_choice, pool_along_sequence, register
-from ._keysim import mean_similarity_to_others, softmax_similarity_mean, unit_keys
+from ._keysim import rkv_redundancy, softmax_similarity_mean, unit_keys
 from ..steering import DELIMITERS, vocab_ids
 
 
@@ -212,8 +212,7 @@ class SkipKV(Scorer):
         unit = unit_keys(layer.keys, live)  # K-bar
         if self.redundancy == "eq5":  # row-softmax over the others, then the mean over rows (Eq. 5)
             return softmax_similarity_mean(unit, live)
-        mean_sim = mean_similarity_to_others(unit, live)
-        return mean_sim.masked_fill(~live, float("-inf")).softmax(-1).nan_to_num(0.0)
+        return rkv_redundancy(unit, live)
 
     def label(self, layer) -> torch.Tensor:
         """Write the sentence id of newly appended live slots into ``meta['sent']``; return it."""
