@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.cache import DEAD_POS, KV_FIELDS, SieveCache, SieveLayer, kv_field
+from kvsieve.cache import DEAD_POS, KV_FIELDS, KV_SUMS, SieveCache, SieveLayer, kv_field, kv_sum
 from kvsieve.policy import indices_from_mask
 
 B, H, D, DV = 2, 3, 4, 5
@@ -382,6 +382,68 @@ def test_kv_fields_computed_at_append_follow_their_tokens_through_compact_and_ev
     drop = torch.zeros(2, 2, 1, dtype=torch.long)  # every head drops its slot 0 in place
     layer.evict(drop, torch.ones(2, 2, dtype=torch.long), max_len=layer.max_len - 1)
     assert_fields_match()
+
+
+def test_running_kv_sums_equal_a_recount_over_live_tokens_after_padding_evictions_compaction_and_row_exits():
+    """KV_SUMS are kept by adding appended tokens and subtracting evicted ones: after left
+    padding, in-place evictions of one and of several tokens, a compaction and a row leaving,
+    each equals the sum recomputed over the live slots (float64, so no visible drift)."""
+    g = torch.Generator().manual_seed(7)
+    names = tuple(KV_SUMS)
+    layer = SieveLayer(kv_fields=("key_norm",), kv_sums=names, grow_chunk=4)
+
+    def assert_sums_match():
+        live = layer.live()
+        for name in names:
+            fresh = (KV_SUMS[name](layer.keys, layer.values) * live[..., None]).sum(2, dtype=torch.float64)
+            assert torch.allclose(layer.sums[name], fresh, atol=1e-10)
+            assert kv_sum(layer, name) is layer.sums[name]
+
+    pos = torch.tensor([[DEAD_POS, DEAD_POS, 0, 1, 2], [0, 1, 2, 3, 4]])  # row 0 left-padded
+    layer.update(rand(g, 2, 3, 5, D), rand(g, 2, 3, 5, DV), pos)
+    assert_sums_match()
+    for step in range(5, 9):  # every-step eviction of one token (each head its own slot)
+        layer.update(rand(g, 2, 3, 1, D), rand(g, 2, 3, 1, DV), torch.tensor([[step - 2], [step]]))
+        drop = torch.randint(2, 5, (2, 3, 1), generator=g)  # live slots in both rows
+        count = (torch.rand(2, 3, generator=g) < 0.7).long()  # some heads drop nothing
+        layer.evict(drop, count, max_len=layer.max_len)
+        assert_sums_match()
+    drop = torch.tensor([2, 3]).expand(2, 3, 2).clone()  # two at once
+    layer.evict(drop, torch.full((2, 3), 2), max_len=layer.max_len - 2)
+    assert_sums_match()
+    keep = layer.live() & (torch.rand(2, 3, layer.capacity, generator=g) < 0.7)
+    K = int(keep.sum(-1).max())
+    kept_idx, lengths = indices_from_mask(keep, K)
+    layer.compact(kept_idx, lengths, capacity=K + 2, max_len=K)
+    assert_sums_match()
+    layer.select_rows(torch.tensor([1]))
+    assert_sums_match()
+    with pytest.raises(ValueError, match="unknown K/V running sums"):
+        SieveLayer(kv_sums=("query_sum",))
+    untracked = SieveLayer()
+    untracked.update(layer.keys[:, :, :3], layer.values[:, :, :3], torch.tensor([[0, 1, 2]]))
+    assert torch.allclose(kv_sum(untracked, "value_sum"), untracked.values.sum(2, dtype=torch.float64))
+
+
+def test_keydiff_and_fastcaote_score_the_same_from_running_sums_as_from_a_recount():
+    """KeyDiff's anchor and FastCAOTE's mean value read the cache's running sums; a layer that
+    does not keep them (computed from scratch) gives the same scores."""
+    from kvsieve import make_policy
+
+    g = torch.Generator().manual_seed(8)
+    for method in ("keydiff", "fastcaote:h2o"):
+        scorer = make_policy(method, budget=8).scorer
+        tracked = SieveCache.for_scorer(1, scorer).layers[0]
+        plain = SieveLayer(meta_init=scorer.meta_init)
+        assert tracked.kv_sums and not plain.kv_sums
+        k, v = rand(g, 2, 3, 9, D), rand(g, 2, 3, 9, D)
+        for layer in (tracked, plain):
+            layer.update(k, v, torch.arange(9).expand(2, 9))
+            layer.evict(torch.tensor([4]).expand(2, 3, 1).clone(), torch.ones(2, 3, dtype=torch.long), max_len=8)
+        live = tracked.live()  # dead slots' scores are never read
+        assert torch.equal(live, plain.live())
+        assert torch.allclose(scorer.score(tracked, torch.tensor([9, 9]))[live],
+                              scorer.score(plain, torch.tensor([9, 9]))[live], atol=1e-5)
 
 
 def test_kv_field_is_computed_on_demand_for_a_layer_that_does_not_track_it_and_unknown_fields_fail():

@@ -49,6 +49,30 @@ KV_FIELDS = {
 }
 
 
+# Per-layer sums over the live tokens of a per-token vector, [B, H_kv, D] in float64: added to as
+# tokens are appended, subtracted from as they are evicted, recounted at compaction, so a scorer
+# reading a mean over the cache (FastCAOTE's mean value, KeyDiff's anchor) saves a whole pass
+# over V or K per step (``Scorer.kv_sums`` names those it reads).
+KV_SUMS = {
+    "value_sum": lambda k, v: v.float(),  # FastCAOTE Eq. 22
+    "unit_key_sum": lambda k, v: k.float() / k.float().norm(dim=-1, keepdim=True).clamp(min=1e-12),  # KeyDiff
+}
+
+
+def kv_sum(layer, name: str) -> torch.Tensor:
+    """[B, H_kv, D] float64 sum of ``KV_SUMS[name]`` over the layer's live tokens: the running sum
+    when the layer keeps it, else (a layer or a scorer's view of it that does not) computed now."""
+    sums = getattr(layer, "sums", {})
+    if name in sums and sums[name].shape[:2] == layer.keys.shape[:2]:
+        return sums[name]
+    return _live_sum(name, layer.keys, layer.values, layer.live())
+
+
+def _live_sum(name: str, keys: torch.Tensor, values: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Sum of ``KV_SUMS[name]`` over the tokens where ``live`` [B, H_kv, S] is True: [B, H_kv, D]."""
+    return (KV_SUMS[name](keys, values) * live[..., None]).sum(dim=2, dtype=torch.float64)
+
+
 def kv_field(layer, name: str) -> torch.Tensor:
     """[B, H_kv, capacity] per-token statistic ``name`` of ``KV_FIELDS``: the layer's stored one
     when it tracks it (built for a scorer listing it in ``kv_fields``), else computed now."""
@@ -64,7 +88,7 @@ class SieveLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
-                 kv_fields: tuple[str, ...] = ()):
+                 kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = ()):
         super().__init__()
         # Per-token state a policy asked for, with the value new tokens start with.
         self.meta_init = dict(meta_init or {})
@@ -72,6 +96,11 @@ class SieveLayer(CacheLayerMixin):
         if unknown:
             raise ValueError(f"unknown per-token K/V fields {unknown}; known: {sorted(KV_FIELDS)}")
         self.kv_fields = tuple(kv_fields)  # per-token K/V statistics computed at append (KV_FIELDS)
+        unknown = sorted(set(kv_sums) - set(KV_SUMS))
+        if unknown:
+            raise ValueError(f"unknown K/V running sums {unknown}; known: {sorted(KV_SUMS)}")
+        self.kv_sums = tuple(kv_sums)
+        self.sums: dict[str, torch.Tensor] = {}  # name -> [B, H_kv, D] float64 (KV_SUMS)
         self.layer_idx = 0  # set by SieveCache to the decoder layer this store belongs to
         self.grow_chunk = grow_chunk
         # Capacity a bounded policy never needs to exceed (budget + compression interval):
@@ -104,6 +133,8 @@ class SieveLayer(CacheLayerMixin):
         self.meta = {"pos": torch.full((B, H, 0), DEAD_POS, dtype=torch.long, device=self.device)}
         for name in (*self.meta_init, *self.kv_fields):
             self.meta[name] = torch.zeros(B, H, 0, dtype=torch.float32, device=self.device)
+        self.sums = {name: _live_sum(name, self.keys, self.values, self.lengths.new_zeros(B, H, 0, dtype=torch.bool))
+                     for name in self.kv_sums}
         self.is_initialized = True
 
     def _fill_value(self, name: str) -> float:
@@ -148,6 +179,10 @@ class SieveLayer(CacheLayerMixin):
             self.meta[name].scatter_(2, slot, slot.new_full(slot.shape, init, dtype=torch.float32))
         for name in self.kv_fields:  # from the stored (cast) K/V, so they equal a recomputation
             self.meta[name].scatter_(2, slot, KV_FIELDS[name](key_states, value_states))
+        if self.kv_sums:
+            real = (new_pos != DEAD_POS)[:, None, :].expand(B, H, T)  # padding adds nothing
+            for name in self.kv_sums:
+                self.sums[name].add_(_live_sum(name, key_states, value_states, real))
         self.lengths += T
         self.max_len += T
         return self.keys, self.values
@@ -224,6 +259,8 @@ class SieveLayer(CacheLayerMixin):
         else:
             self.keys, self.values, self.meta = keys, values, meta
             self.lengths = new_lengths.clone()
+        for name, total in self.sums.items():  # recounted from the kept tokens (no drift carried over)
+            total.copy_(_live_sum(name, self.keys, self.values, self.live()))
         self.capacity = capacity
         self.max_len = max_len
 
@@ -244,6 +281,7 @@ class SieveLayer(CacheLayerMixin):
         step = torch.arange(m, device=self.device)
         new_len = self.lengths - drop_count  # [B, H]
         dropped = step < drop_count[..., None]  # [B, H, m]: which candidates really go
+        self._subtract_sums(drop_idx, dropped)
         tail = new_len[..., None] + step  # [B, H, m]: the slots that fall off the new end
         tail_dropped = ((tail[..., :, None] == drop_idx[..., None, :]) & dropped[..., None, :]).any(dim=-1)
         movers = dropped & ~tail_dropped  # tail tokens that stay (as many as there are holes)
@@ -264,12 +302,24 @@ class SieveLayer(CacheLayerMixin):
         """``evict`` with m = 1: the last live token moves into the dropped slot (a self-copy
         when it is the dropped one, or when nothing goes: drop_count 0)."""
         drop = drop_count[..., None]  # [B, H, 1], 0 or 1
+        self._subtract_sums(drop_idx, drop > 0)
         vacated = self.lengths[..., None] - drop  # the new end: a dead slot when nothing goes
         self._move_slots(src=torch.where(drop > 0, vacated, drop_idx), dst=drop_idx)
         for name, t in self.meta.items():
             t.scatter_(2, vacated, self._fill_value(name))
         self.lengths.sub_(drop_count)
         self.max_len = max_len
+
+    def _subtract_sums(self, drop_idx: torch.Tensor, dropped: torch.Tensor) -> None:
+        """Take the tokens in slots ``drop_idx`` [B, H_kv, m] where ``dropped`` out of the running sums."""
+        if not self.sums:
+            return
+        B, H, m = drop_idx.shape
+        dropped = dropped & (self.meta["pos"].gather(2, drop_idx) != DEAD_POS)  # only live tokens were added
+        keys = self.keys.gather(2, drop_idx[..., None].expand(B, H, m, self.keys.shape[-1]))
+        values = self.values.gather(2, drop_idx[..., None].expand(B, H, m, self.values.shape[-1]))
+        for name, total in self.sums.items():
+            total.sub_(_live_sum(name, keys, values, dropped))
 
     def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the token in slot ``src`` to slot ``dst`` ([B, H_kv, m] each) in K, V and every
@@ -288,6 +338,7 @@ class SieveLayer(CacheLayerMixin):
         self.keys, self.values = self.keys[rows], self.values[rows]
         self.lengths = self.lengths[rows]
         self.meta = {name: t[rows] for name, t in self.meta.items()}
+        self.sums = {name: t[rows] for name, t in self.sums.items()}
         if self._query_buf is not None and not self.static:
             self._query_buf, self._query_pos_buf = self._query_buf[rows], self._query_pos_buf[rows]
             self._window_views()
@@ -299,7 +350,7 @@ class SieveLayer(CacheLayerMixin):
         """Addresses and shapes a captured step depends on; any change needs a new capture."""
         if not self.is_initialized:
             return ()
-        tensors = [self.keys, self.values, self.lengths, *self.meta.values()]
+        tensors = [self.keys, self.values, self.lengths, *self.meta.values(), *self.sums.values()]
         if self.recent_queries is not None:
             tensors += [self.recent_queries, self.recent_query_pos]
         return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
@@ -335,8 +386,8 @@ class SieveCache(Cache):
     """
 
     def __init__(self, num_layers: int, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
-                 kv_fields: tuple[str, ...] = ()):
-        super().__init__(layers=[SieveLayer(meta_init, grow_chunk, kv_fields) for _ in range(num_layers)])
+                 kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = ()):
+        super().__init__(layers=[SieveLayer(meta_init, grow_chunk, kv_fields, kv_sums) for _ in range(num_layers)])
         for index, layer in enumerate(self.layers):
             layer.layer_idx = index  # the decoder layer this store belongs to
         self.seen_tokens: torch.Tensor | None = None  # [B]
@@ -344,10 +395,10 @@ class SieveCache(Cache):
 
     @classmethod
     def for_scorer(cls, num_layers: int, scorer, grow_chunk: int = 256) -> "SieveCache":
-        """A cache carrying the per-token fields ``scorer`` (None for ``full``) reads."""
+        """A cache carrying the per-token fields and running sums ``scorer`` (None for ``full``) reads."""
         if scorer is None:
             return cls(num_layers, grow_chunk=grow_chunk)
-        return cls(num_layers, scorer.meta_init, grow_chunk, scorer.kv_fields)
+        return cls(num_layers, scorer.meta_init, grow_chunk, scorer.kv_fields, scorer.kv_sums)
 
     def begin_step(self, query_pos: torch.Tensor) -> None:
         self.query_pos = query_pos

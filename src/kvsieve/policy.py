@@ -54,6 +54,7 @@ class Scorer:
     source: ClassVar[str] = ""
     meta_init: ClassVar[dict[str, float]] = {}  # per-token state -> value for new tokens
     kv_fields: ClassVar[tuple[str, ...]] = ()  # per-token K/V statistics computed at append (cache.KV_FIELDS)
+    kv_sums: ClassVar[tuple[str, ...]] = ()  # running sums over the live tokens (cache.KV_SUMS)
     observes: ClassVar[bool] = False  # wants observe() with every step's attention rows
     # True if the observed state is only the newest query's attention (TOVA): between
     # compressions the engine then skips observing (see Policy.observes_step)

@@ -18,6 +18,7 @@ class WrappingScorer(Scorer):
         self.inner = base
         self.name = f"{prefix}:{base.name}"
         self.meta_init, self.kv_fields, self.observes = base.meta_init, base.kv_fields, base.observes
+        self.kv_sums = base.kv_sums
         self.observes_last_only = base.observes_last_only
 
     def attach(self, model, tokenizer):

@@ -29,19 +29,20 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import DEAD_POS, kv_field
+from ..cache import DEAD_POS, kv_field, kv_sum
 from ..policy import Scorer
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 
 
 def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False,
-                 value_sqnorm: torch.Tensor | None = None) -> torch.Tensor:
+                 value_sqnorm: torch.Tensor | None = None, value_sum: torch.Tensor | None = None) -> torch.Tensor:
     """Eviction error of every token for every query head: [B, H_kv, G, S].
 
     scores: [B, H_kv, G, S] base retention scores per query head; values: [B, H_kv, S, D];
     live: [B, H_kv, S]; value_sqnorm: [B, H_kv, S] ||v_j||^2 if already known (the layer's
-    per-token field), else computed here.  Scores are made to sum to 1 over live tokens by an
+    per-token field), else computed here; value_sum: [B, H_kv, D] sum of the live values
+    (FastCAOTE's mean without a pass over V; the cache's running sum), else computed here.  Scores are made to sum to 1 over live tokens by an
     order-preserving affine map: h / sum h (Eq. 21), after shifting by the minimum when negative.
     """
     live_g = live[:, :, None]  # [B, H, 1, S]
@@ -53,8 +54,10 @@ def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor,
     h = h / h.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(h.dtype).tiny)  # Eq. (21)
     v = values.float()
     if fast:  # Eq. (22): mean of the cached values instead of the output
-        weight = live.to(v.dtype) / live.sum(dim=-1, keepdim=True).clamp(min=1)
-        out = (weight[:, :, None] @ v)  # [B, H, 1, D]
+        count = live.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, H, 1]
+        if value_sum is None:
+            value_sum = (live[..., None] * v).sum(dim=2)
+        out = (value_sum.to(v.dtype) / count)[:, :, None]  # [B, H, 1, D]
     else:
         out = h @ v  # [B, H, G, D]: o = V H_norm^T (Eq. 20)
     if value_sqnorm is None:
@@ -102,6 +105,8 @@ class CAOTE(WrappingScorer):
     def __post_init__(self, base):
         self.wrap("fastcaote" if self.fast else "caote", base, example="tova")
         self.kv_fields = tuple(dict.fromkeys((*base.kv_fields, "value_sqnorm")))  # ||v_j||^2 kept per token
+        if self.fast:  # Eq. 22's mean value from a running sum
+            self.kv_sums = tuple(dict.fromkeys((*base.kv_sums, "value_sum")))
         self.slot_order_free = base.slot_order_free  # Eq. 8 is per token: order-free iff the base is
         self.default_sinks, self.default_interval = base.default_sinks, base.default_interval
 
@@ -133,7 +138,8 @@ class CAOTE(WrappingScorer):
 
     def score(self, layer, seen_tokens):
         scores, copies = self.base_scores(layer, seen_tokens)
-        errors = caote_errors(scores, layer.values, layer.live(), self.fast, kv_field(layer, "value_sqnorm"))
+        value_sum = kv_sum(layer, "value_sum") if self.fast else None
+        errors = caote_errors(scores, layer.values, layer.live(), self.fast, kv_field(layer, "value_sqnorm"), value_sum)
         squared = errors.square().sum(dim=2) * copies  # App. B.2: concatenated heads of each kv group
         if self.needs_aligned_heads():  # one decision per layer: every head's change counts
             squared = squared.sum(dim=1, keepdim=True).expand_as(squared)
