@@ -90,7 +90,7 @@ def window_attention(layer: SieveLayer) -> torch.Tensor:
     probs = attention_probs(layer.recent_queries, layer.keys, visible(layer.meta["pos"], qpos), layer.scaling)
     if qpos.shape[1] == 1:  # the newest query is always a real token (left padding comes first)
         return probs
-    return probs * (qpos != DEAD_POS)[:, None, None, :, None]
+    return probs.mul_((qpos != DEAD_POS)[:, None, None, :, None])  # in place: probs can be large
 
 
 def _grouped_sdpa(query, key, value, allowed, scaling):

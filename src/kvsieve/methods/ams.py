@@ -75,15 +75,18 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
     masked observation (key after the query) is the maximum observed in the window of that query
     head; "suffix" (released code): keys at or after the window's first query get the maximum
     pooled score.  Mean over real queries, GQA reduction, average pooling over live slots.
+    ``probs`` must be zero where a query did not see a key and on padding queries' rows (as
+    ``window_attention`` returns them), so the masked observations are counted, never gathered:
+    sum over queries of (observed ? p : max) = sum of p + max * (real queries that missed the key).
     """
-    real = (query_pos != DEAD_POS)[:, None, None, :, None]  # [B, 1, 1, w, 1]
-    seen = (key_pos[:, :, None, :] <= query_pos[:, None, :, None])[:, :, None]  # [B, H, 1, w, S]
-    observed = seen & live[:, :, None, None] & real
-    window_max = probs.masked_fill(~observed, 0).amax(dim=(-1, -2), keepdim=True)  # [B, H, G, 1, 1]
+    real = query_pos != DEAD_POS  # [B, w]
+    n_real = real.sum(dim=-1).clamp(min=1)[:, None, None, None]  # [B, 1, 1, 1]
+    total = probs.sum(dim=-2)  # [B, H, G, S]
     if padding == "missing":
-        probs = torch.where(observed, probs, window_max) * real
-    n_real = real.sum(dim=-2).clamp(min=1)  # [B, 1, 1, 1]
-    usage = reduce_group(probs.sum(dim=-2) / n_real, head_reduction)  # [B, H, S]
+        window_max = probs.amax(dim=(-1, -2))[..., None]  # [B, H, G, 1]
+        missed = (key_pos[:, :, None, :] > query_pos[:, None, :, None]) & real[:, None, :, None]  # [B, H, w, S]
+        total = total + window_max * missed.sum(dim=2)[:, :, None]  # dead keys: every query missed them
+    usage = reduce_group(total / n_real, head_reduction)  # [B, H, S]
     usage = pool_along_sequence(usage, live, kernel, "avg")
     if padding == "suffix":  # deviation: released code pads with one max over the whole batch (.item())
         first = query_pos.masked_fill(query_pos == DEAD_POS, torch.iinfo(torch.long).max).amin(dim=1)  # [B]
