@@ -42,13 +42,17 @@ def softmax_similarity_mean(unit: torch.Tensor, live: torch.Tensor, block: int =
     """[B, H, cap]: R_j = (1 / n) sum_i softmax_{j' != i, live}(k_i . k_j')_j over live rows i
     (SkipKV Eq. 5; n live keys; a row with no other live key contributes nothing)."""
     B, H, cap, _ = unit.shape
-    out = unit.new_zeros(B, H, cap)
+    out = unit.new_zeros(B, H, 1, cap)
+    # Masked pairs get the lowest finite value, not -inf: exp() still makes them exactly 0 beside
+    # any real pair, and a row with nothing left is uniform instead of NaN (it does not vote).
+    masked = torch.finfo(unit.dtype).min
     col_dead = ~live[:, :, None, :]  # [B, H, 1, cap]
+    n_live = live.sum(-1, keepdim=True)  # [B, H, 1]
+    voters = (live & (n_live >= 2)).to(unit.dtype)[:, :, None]  # [B, H, 1, cap]: rows that vote
     for start in range(0, cap, block):
         stop = min(start + block, cap)
         sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [B, H, rows, cap]
-        self_pair = torch.arange(start, stop, device=unit.device)[:, None] == torch.arange(cap, device=unit.device)
-        sim.masked_fill_(col_dead | self_pair, float("-inf"))
-        rows = sim.softmax(-1).nan_to_num_(0.0) * live[:, :, start:stop, None]  # dead rows do not vote
-        out += rows.sum(2)
-    return out / live.sum(-1, keepdim=True).clamp(min=1)
+        sim.masked_fill_(col_dead, masked)
+        sim.diagonal(offset=start, dim1=-2, dim2=-1).fill_(masked)  # self pairs (i, i)
+        out += voters[..., start:stop] @ sim.softmax(-1)  # the voting rows' sum, as one matmul
+    return out.squeeze(2) / n_live.clamp(min=1)
