@@ -360,10 +360,10 @@ class SieveLayer(CacheLayerMixin):
         return self.meta["pos"] != DEAD_POS
 
     def allocated_bytes(self) -> int:
-        """Bytes this layer holds right now: K, V and every per-token metadata tensor."""
+        """Bytes this layer holds right now: K, V, every per-token metadata tensor and running sum."""
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, *self.meta.values()]
+        tensors = [self.keys, self.values, *self.meta.values(), *self.sums.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def get_seq_length(self) -> int:
