@@ -25,10 +25,16 @@ def _pyplot():
     return plt
 
 
+def _series_style(plt, i: int) -> dict:
+    """Colour and marker of the i-th series: 20 colours, and a marker that changes every 10, so
+    a grid with more methods than matplotlib's 10-colour cycle never draws two alike."""
+    return dict(color=plt.get_cmap("tab20")(i % 20), marker="os^Dv<>ph*"[(i // 10) % 10])
+
+
 def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
     plt = _pyplot()
     use_ppl = any(s.perplexity is not None for s in summaries)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     budgets = sorted({s.budget for s in summaries if s.budget is not None})
     for s in summaries:
         if s.budget is None:  # full and self-sizing methods: a horizontal reference
@@ -45,11 +51,11 @@ def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
         nudge = 2 ** (0.03 * (i - (len(methods) - 1) / 2))  # side by side, so equal values stay visible
         x = [s.budget * nudge for s in cells]
         if use_ppl:
-            ax.plot(x, [s.perplexity for s in cells], marker="o", label=method)
+            ax.plot(x, [s.perplexity for s in cells], label=method, **_series_style(plt, i))
             continue
         y = [s.accuracy for s in cells]
         err = [[a - s.ci_low for a, s in zip(y, cells)], [s.ci_high - a for a, s in zip(y, cells)]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method)
+        ax.errorbar(x, y, yerr=err, capsize=3, label=method, **_series_style(plt, i))
     if budgets:
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
@@ -58,28 +64,28 @@ def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
     if not use_ppl:
         ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the axes, never over a point
     ax.set_title("perplexity vs KV budget" if use_ppl else "accuracy vs KV budget")
     return _save(fig, plt, path)
 
 
 def kv_memory_vs_length(rows: list[dict[str, Any]], path: Path) -> Path:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["method"], row["budget"]), []).append(row)
-    for key in sorted(groups, key=cell_order):
+    for i, key in enumerate(sorted(groups, key=cell_order)):
         group = sorted(groups[key], key=lambda r: r["prompt_tokens"] + r.get("generated_tokens", 0))
         x = [r["prompt_tokens"] + r.get("generated_tokens", 0) for r in group]
         y = [r.get("peak_kv_bytes", 0) / 2**20 for r in group]
         label = key[0] if key[1] is None else f"{key[0]}@{key[1]}"
-        style = dict(color="black", marker="s") if key[0] == "full" else dict(marker="o")
+        style = dict(color="black", marker="s") if key[0] == "full" else _series_style(plt, i)
         ax.plot(x, y, linestyle="-" if key[0] == "full" else "none", alpha=0.7, markersize=4, label=label, **style)
     ax.set_xlabel("sequence length (prompt + generated tokens)")
     ax.set_ylabel("peak KV cache (MiB allocated per sample)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    ax.legend(fontsize=7, ncol=2 if len(groups) > 12 else 1, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_title("peak KV memory vs length")
     return _save(fig, plt, path)
 
