@@ -7,6 +7,7 @@ Layout of one layer (``SieveLayer``)::
     meta["pos"]    [B, H_kv, capacity]      true position of each cached token (int64, like position_ids)
     meta[name]     [B, H_kv, capacity]      per-token policy state (H2O sums, TS/MRI, ...) and
                                             per-token K/V statistics (``KV_FIELDS``: key norms, ...)
+    sums[name]     [B, H_kv, D]             running sums over the live tokens (``KV_SUMS``), float64
 
 Slot layout of one (row, kv head) while generating::
 
