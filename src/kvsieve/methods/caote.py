@@ -149,7 +149,9 @@ class CAOTE(WrappingScorer):
 @register_wrapper("fastcaote")
 @dataclass
 class FastCAOTE(CAOTE):
-    """CAOTE with the output replaced by the mean of the cached values (Eq. 22)."""
+    """CAOTE with the output replaced by the mean of the cached values (Eq. 22), read from the
+    cache's running sum of live values (``cache.KV_SUMS["value_sum"]``), so a step costs one pass
+    over V (each token's distance to the mean), not two."""
 
     summary: ClassVar[str] = "CAOTE with the mean value in place of the output (FastCAOTE, any base)"
     source: ClassVar[str] = "CAOTE Sec. 3.3, Eq. 22"
