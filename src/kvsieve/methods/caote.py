@@ -42,8 +42,9 @@ def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor,
     scores: [B, H_kv, G, S] base retention scores per query head; values: [B, H_kv, S, D];
     live: [B, H_kv, S]; value_sqnorm: [B, H_kv, S] ||v_j||^2 if already known (the layer's
     per-token field), else computed here; value_sum: [B, H_kv, D] sum of the live values
-    (FastCAOTE's mean without a pass over V; the cache's running sum), else computed here.  Scores are made to sum to 1 over live tokens by an
-    order-preserving affine map: h / sum h (Eq. 21), after shifting by the minimum when negative.
+    (FastCAOTE's mean without a pass over V; the cache's running sum), else computed here.
+    Scores are made to sum to 1 over live tokens by an order-preserving affine map: h / sum h
+    (Eq. 21), after shifting by the minimum when negative.
     """
     live_g = live[:, :, None]  # [B, H, 1, S]
     h = scores.float().masked_fill(~live_g, 0.0)
