@@ -10,7 +10,7 @@ from kvsieve.cache import DEAD_POS
 from kvsieve.generate import encode_prompts
 from kvsieve.methods import make_policy
 from kvsieve.steering import (KEYWORDS, OthersCounter, Steering, SteeringVector, build_steering_vector,
-                              default_layer, group_by_prefill_length, padding_tokens)
+                              calibration_prompts, default_layer, group_by_prefill_length, padding_tokens)
 
 END, KW = 0, 9  # delimiter and keyword ids in the hand-made tests
 SHORT = "What is 7 times 8?"
@@ -41,7 +41,21 @@ def test_others_count_and_strength_schedule():
 @pytest.fixture(scope="module")
 def vector(smollm):
     model, tok = smollm
-    return build_steering_vector(model, tok, [SHORT, MEDIUM], responses=RESPONSES)
+    with pytest.warns(UserWarning, match=r"few sentences \(\{'E': 4, 'O': 2\}"):
+        return build_steering_vector(model, tok, [SHORT, MEDIUM], responses=RESPONSES)
+
+
+def test_calibration_prompts_take_a_slice_of_gsm8k_or_math_rows(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"question": "q0"}\n{"problem": "p1"}\n\n{"question": "q2"}\n{"answer": 3}\n')
+    prompts = calibration_prompts(2, path, skip=1)
+    assert [p[-1]["content"].split("Question: ")[-1] for p in prompts] == ["p1", "q2"]
+    with pytest.raises(ValueError, match=r"mixed.jsonl:5: needs a 'question' or 'problem'"):
+        calibration_prompts(4, path)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"question": "q0"}\n{"problem": "p1"}\n')
+    with pytest.raises(ValueError, match="1 problems after skipping 1, 5 were asked for"):
+        calibration_prompts(5, short, skip=1)
 
 
 def test_vector_is_mean_execution_minus_mean_others(smollm, vector):

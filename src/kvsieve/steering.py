@@ -41,6 +41,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Sequence
@@ -52,6 +53,7 @@ from .cache import DEAD_POS
 DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")  # App. A.1, newline delimiter set D
 KEYWORDS = ("Wait", "Alternatively", "again")  # App. A.1, non-executable keyword set N
 PAPER_LAYER_FRACTION = 20 / 28  # App. A.2: layer 20 of R1-Qwen-7B's 28 (35/48 for 14B is 0.73)
+MIN_SENTENCES = 20  # below this many sentences on either side, build_steering_vector warns (kvsieve's choice)
 RELEASED = {"direction": "others_minus_execution", "alpha0": -1.25, "gamma": -0.02, "positions": "paragraph"}
 
 
@@ -253,6 +255,10 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
     if not groups["E"] or not groups["O"]:
         raise ValueError(f"found {len(groups['E'])} execution and {len(groups['O'])} Others sentences; "
                          "both are needed: use more samples or check the keyword set")
+    few = {name: len(reps) for name, reps in groups.items() if len(reps) < MIN_SENTENCES}
+    if few:
+        warnings.warn(f"steering vector from few sentences ({few}; execution E, Others O): the mean of "
+                      f"fewer than {MIN_SENTENCES} is noisy; use more --samples or harder problems", stacklevel=2)
     vector = torch.stack(groups["E"]).mean(0) - torch.stack(groups["O"]).mean(0)
     if direction == "others_minus_execution":
         vector = -vector
@@ -262,13 +268,28 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
     return SteeringVector(vector.cpu(), layer, model_name(model), model_fingerprint(model), settings)
 
 
-def calibration_prompts(n: int, path: str | Path = "../shared/data/gsm8k_train.jsonl") -> list[str]:
-    """The first ``n`` GSM8K *train* questions in kvsieve's math template (never evaluated on)."""
+def calibration_prompts(n: int, path: str | Path = "../shared/data/gsm8k_train.jsonl", skip: int = 0) -> list[str]:
+    """Rows ``skip`` .. ``skip + n - 1`` of a JSONL of problems (GSM8K's ``question`` or MATH's
+    ``problem`` field) in kvsieve's math template.  Build from data never evaluated on: GSM8K
+    *train* (the default), or a MATH-500 slice kept out of evaluation (e.g. ``skip=400``, with
+    MATH-500 evaluations then limited to the first 400 problems)."""
     from .data.templates import math_prompt
 
+    prompts = []
     with open(path) as f:
-        rows = [json.loads(line) for line, _ in zip(f, range(n))]
-    return [math_prompt(r["question"]) for r in rows]
+        for line_no, line in enumerate(f, 1):
+            if line_no <= skip or not line.strip():
+                continue
+            if len(prompts) == n:
+                break
+            row = json.loads(line)
+            text = row.get("question", row.get("problem"))
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{line_no}: needs a 'question' or 'problem' text field")
+            prompts.append(math_prompt(text))
+    if len(prompts) < n:
+        raise ValueError(f"{path} has {len(prompts)} problems after skipping {skip}, {n} were asked for")
+    return prompts
 
 
 # ---------------------------------------------------------------------------- injection
@@ -393,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--model", required=True)
     build.add_argument("--dataset", default="../shared/data/gsm8k_train.jsonl", help="JSONL with 'question'")
     build.add_argument("--samples", type=int, default=500)  # Sec. 5.1: 500 problems
+    build.add_argument("--skip", type=int, default=0, help="start after this many rows of --dataset")
     build.add_argument("--layer", type=int, default=None)
     build.add_argument("--max-new-tokens", type=int, default=512)
     build.add_argument("--representation", choices=("mean", "delimiter"), default="mean")
@@ -401,10 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model, tok = load_model(args.model)
     try:
-        vec = build_steering_vector(model, tok, calibration_prompts(args.samples, args.dataset), layer=args.layer,
+        vec = build_steering_vector(model, tok, calibration_prompts(args.samples, args.dataset, args.skip), layer=args.layer,
                                     max_new_tokens=args.max_new_tokens, representation=args.representation,
                                     direction=RELEASED["direction"] if args.released else "execution_minus_others",
-                                    dataset=args.dataset)
+                                    dataset=f"{args.dataset} rows {args.skip}-{args.skip + args.samples - 1}")
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     vec.save(args.out)
