@@ -29,8 +29,11 @@ ATTN_IMPLEMENTATION = "kvsieve"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # observer(layer, layer_idx, probs, query_pos): probs [B, H_kv, G, T, capacity] of this step's
-# queries (zero rows for padding queries), query_pos [B, T] their positions
-Observer = Callable[[SieveLayer, int, torch.Tensor, torch.Tensor], None]
+# queries (zero rows for padding queries), query_pos [B, T] their positions.  It returns None,
+# or weights W [B, H_kv, R, capacity] over the cached tokens whose mixes M = W V the scorer
+# wants: M is computed in the same pass over V as the attention output and left, with M V^T,
+# in ``layer.value_mix`` = (W, M, M V^T) for the compression that follows the step.
+Observer = Callable[[SieveLayer, int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass
@@ -123,10 +126,18 @@ def sieve_attention(module, query, key, value, attention_mask=None, scaling=None
     if kvsieve.observer is not None:
         probs = attention_probs(query, key, allowed, scaling)  # [B, H_kv, G, T, cap]
         real = (kvsieve.query_pos != DEAD_POS)[:, None, None, :, None]  # padding queries attend to nothing
-        kvsieve.observer(layer, module.layer_idx, probs * real, kvsieve.query_pos)
+        mix_weights = kvsieve.observer(layer, module.layer_idx, probs * real, kvsieve.query_pos)
         B, H, G, T, cap = probs.shape
-        out = torch.matmul(probs.to(value.dtype).view(B, H, G * T, cap), value)  # [B, H_kv, G*T, D]
-        out = out.view(B, H * G, T, value.shape[-1])
+        rows = probs.to(value.dtype).view(B, H, G * T, cap)
+        if mix_weights is None:
+            out = torch.matmul(rows, value)  # [B, H_kv, G*T, D]
+        else:  # the scorer's value mixes ride along the same pass over V (CAOTE's output, Eq. 20)
+            out = torch.matmul(torch.cat([rows, mix_weights.to(value.dtype)], dim=2), value)
+            mix = out[:, :, G * T:]  # [B, H_kv, R, D]
+            # the mixes' dot products with every value, while V is still in the CPU's cache
+            layer.value_mix = (mix_weights, mix, torch.matmul(mix, value.transpose(-1, -2)))
+            out = out[:, :, : G * T]
+        out = out.reshape(B, H * G, T, value.shape[-1])
     else:
         out = _grouped_sdpa(query, key, value, allowed, scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -101,9 +101,11 @@ class Scorer:
         of a layer to hold the same tokens (so no ragged per-head allocator)."""
         return False
 
-    def observe(self, layer: SieveLayer, probs: torch.Tensor, query_pos: torch.Tensor) -> None:
+    def observe(self, layer: SieveLayer, probs: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor | None:
         """Update per-token state from this step's attention rows [B, H_kv, G, T, capacity]
-        (zero rows for padding queries); ``query_pos`` [B, T] are the queries' positions."""
+        (zero rows for padding queries); ``query_pos`` [B, T] are the queries' positions.
+        May return weights [B, H_kv, R, capacity] whose mixes of V the attention pass computes
+        alongside its output (``layer.value_mix``, see ``attention.Observer``)."""
 
     def should_compress(self, layer: SieveLayer, budget: int | None) -> bool:
         """Host-side decision (no device read) whether this layer compresses now."""

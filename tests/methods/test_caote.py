@@ -104,8 +104,8 @@ def test_score_equals_the_true_output_change_of_evicting_one_token():
 def test_per_query_head_base_scores_average_back_to_the_bases_own_score(base, settings):
     policy = make_policy(f"caote:{base}", budget=8, **settings)
     layer, seen = decode_cache(5, meta_init=policy.scorer.meta_init, observer=policy.observer())
-    per_head, copies = policy.scorer.base_scores(layer, seen)  # [B, H, G, cap], one row per query head
-    assert per_head.shape == (B, H, G, layer.capacity) and copies == 1
+    per_head = policy.scorer.base_scores(layer, seen)  # [B, H, G, cap], one row per query head
+    assert per_head.shape == (B, H, G, layer.capacity)
     live = layer.live()[:, :, None].expand_as(per_head)
     # both bases average their group (SnapKV's avg pooling is linear), so the means agree
     own = make_policy(base, budget=8, **settings).scorer.score(layer, seen)
@@ -182,6 +182,29 @@ def test_layer_averaged_tova_gives_one_score_per_layer_from_every_heads_change()
     expected = (G * errors.square().sum(dim=(1, 2))).sqrt()  # every query head of the layer
     for h in range(H):
         assert torch.allclose(scores[:, h][live[:, h]], expected[live[:, h]], rtol=1e-4)
+
+
+@pytest.mark.parametrize("method,settings", [("caote:h2o", {}), ("caote:tova", {"heads": "group"}), ("fastcaote:h2o", {})])
+def test_output_from_the_attention_pass_gives_the_same_scores(method, settings):
+    """CAOTE's observe hands h (Eq. 21; FastCAOTE: uniform weights, Eq. 22) to the decode step's
+    attention pass, which returns o = h V (Eq. 20) and o.v_j with its own output; scores from
+    them equal scores recomputed at compression, and any change to the store drops them."""
+    policy = make_policy(method, budget=4, **settings)
+    layer, seen = decode_cache(7, meta_init=policy.scorer.meta_init, observer=policy.observer())
+    h, out, dots = layer.value_mix
+    assert h.shape[:2] == (B, H) and h.shape[-1] == layer.capacity
+    if method.startswith("fast"):  # uniform weights: the mean of the live values (Eq. 22)
+        live = layer.live()
+        mean = (layer.values * live[..., None]).sum(dim=2) / live.sum(dim=-1, keepdim=True)
+        torch.testing.assert_close(out[:, :, 0], mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, h @ layer.values, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dots, out @ layer.values.transpose(-1, -2), rtol=1e-5, atol=1e-6)
+    fused = policy.scorer.score(layer, seen)
+    layer.value_mix = None
+    torch.testing.assert_close(fused, policy.scorer.score(layer, seen), rtol=1e-5, atol=1e-6)
+    layer.value_mix = (h, out, dots)
+    layer.evict(torch.zeros(B, H, 1, dtype=torch.long), torch.ones(B, H, dtype=torch.long), layer.max_len)
+    assert layer.value_mix is None
 
 
 def test_negative_base_scores_are_shifted_then_normalised_keeping_their_order():

@@ -30,7 +30,7 @@ class WrappingScorer(Scorer):
         self.inner.before_select_rows(keep)
 
     def observe(self, layer, probs, query_pos):
-        self.inner.observe(layer, probs, query_pos)
+        return self.inner.observe(layer, probs, query_pos)
 
     def should_compress(self, layer, budget):
         return self.inner.should_compress(layer, budget)

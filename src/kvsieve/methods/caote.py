@@ -35,41 +35,62 @@ from . import register_wrapper
 from ._wrapper import WrappingScorer
 
 
-def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False,
-                 value_sqnorm: torch.Tensor | None = None, value_sum: torch.Tensor | None = None) -> torch.Tensor:
-    """Eviction error of every token for every query head: [B, H_kv, G, S].
+def retention_weights(scores: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Base scores [B, H_kv, G, S] made to sum to 1 over each head's live tokens (Eq. 21).
 
-    scores: [B, H_kv, G, S] base retention scores per query head; values: [B, H_kv, S, D];
-    live: [B, H_kv, S]; value_sqnorm: [B, H_kv, S] ||v_j||^2 if already known (the layer's
-    per-token field), else computed here; value_sum: [B, H_kv, D] sum of the live values
-    (FastCAOTE's mean without a pass over V; the cache's running sum), else computed here.
-    Scores are made to sum to 1 over live tokens by an order-preserving affine map: h / sum h
-    (Eq. 21), after shifting by the minimum when negative.
+    Eq. (21) is h / sum h; Sec. 3.2 asks for an order-preserving affine map, so negative
+    scores (knorm, keydiff) are first shifted by their minimum (kvsieve's choice).  Dead slots
+    get weight 0.  live: [B, H_kv, S].
     """
     live_g = live[:, :, None]  # [B, H, 1, S]
-    h = scores.float().masked_fill(~live_g, 0.0)
-    # Sec. 3.2 asks for an order-preserving affine map; Eq. (21) alone needs h >= 0, so
-    # negative scores (knorm, keydiff) are first shifted by their minimum (kvsieve's choice).
-    low = h.masked_fill(~live_g, float("inf")).amin(dim=-1, keepdim=True).clamp(max=0.0)
-    h = (h - low).masked_fill(~live_g, 0.0)
-    h = h / h.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(h.dtype).tiny)  # Eq. (21)
+    h = torch.where(live_g, scores.float(), 0.0)
+    low = torch.where(live_g, h, float("inf")).amin(dim=-1, keepdim=True).clamp_(max=0.0)
+    h.sub_(low).mul_(live_g)
+    return h.div_(h.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(h.dtype).tiny))
+
+
+def output_errors(h: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
+                  value_sqnorm: torch.Tensor | None = None, out_dots: torch.Tensor | None = None) -> torch.Tensor:
+    """c_j = h_j / (1 - h_j) * ||o - v_j|| for every token (Eq. 8, Eq. 20 on a base): [B, H_kv, G, S].
+
+    h: [B, H_kv, G, S] weights summing to 1 (``retention_weights``); values: [B, H_kv, S, D];
+    out: [B, H_kv, G, D] the output o; value_sqnorm: [B, H_kv, S] ||v_j||^2 and out_dots:
+    [B, H_kv, G, S] o.v_j, each if already known.
+    ||o - v_j||^2 = ||v_j||^2 - 2 o.v_j + ||o||^2 takes one matmul over V, never the
+    [B, H, G, S, D] differences.  Eq. (8) is undefined at h_j = 1 (the rest has no weight to
+    renormalise): such a token scores +inf, since evicting it would empty the output.
+    """
     v = values.float()
-    if fast:  # Eq. (22): mean of the cached values instead of the output
+    if value_sqnorm is None:
+        value_sqnorm = v.square().sum(dim=-1)
+    dots = torch.matmul(out, v.transpose(-1, -2)) if out_dots is None else out_dots
+    sq = dots.mul(-2.0)  # [B, H, G, S]
+    sq.add_(value_sqnorm[:, :, None]).add_(out.square().sum(dim=-1, keepdim=True))
+    dist = sq.clamp_(min=0.0).sqrt_()
+    ratio = h / (1.0 - h).clamp_(min=torch.finfo(h.dtype).tiny)
+    return ratio.mul_(dist).masked_fill_(h >= 1, float("inf"))
+
+
+def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False,
+                 value_sqnorm: torch.Tensor | None = None, value_sum: torch.Tensor | None = None) -> torch.Tensor:
+    """Eviction error of every token for every query head from base scores: [B, H_kv, G, S].
+
+    scores: [B, H_kv, G, S] base retention scores per query head (normalised by
+    ``retention_weights``); values: [B, H_kv, S, D]; live: [B, H_kv, S]; value_sqnorm as in
+    ``output_errors``; value_sum: [B, H_kv, D] sum of the live values (FastCAOTE's mean without
+    a pass over V; the cache's running sum), else computed here.  The output is o = h V (Eq. 20),
+    or with ``fast`` the mean of the live values (Eq. 22).
+    """
+    h = retention_weights(scores, live)
+    v = values.float()
+    if fast:
         count = live.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, H, 1]
         if value_sum is None:
             value_sum = (live[..., None] * v).sum(dim=2)
         out = (value_sum.to(v.dtype) / count)[:, :, None]  # [B, H, 1, D]
     else:
-        out = h @ v  # [B, H, G, D]: o = V H_norm^T (Eq. 20)
-    if value_sqnorm is None:
-        value_sqnorm = v.square().sum(dim=-1)
-    # ||o - v_j|| for every j without materialising the [B, H, G, S, D] differences:
-    # ||v_j||^2 - 2 o.v_j + ||o||^2, one matmul (this made caote:<base> cheap enough for every step)
-    sq = value_sqnorm[:, :, None] - 2 * out @ v.transpose(-1, -2) + out.square().sum(dim=-1, keepdim=True)
-    dist = sq.clamp(min=0).sqrt()  # [B, H, G, S]
-    # deviation: Eq. (8) is undefined at h_j = 1 (the rest has no weight to renormalise);
-    # such a token scores +inf, since evicting it would empty the output.
-    return torch.where(h < 1, h / (1 - h).clamp(min=torch.finfo(h.dtype).tiny) * dist, float("inf"))
+        out = h @ v  # [B, H, G, D]
+    return output_errors(h, v, out, value_sqnorm)
 
 
 class _PerQueryHead:
@@ -123,28 +144,63 @@ class CAOTE(WrappingScorer):
     def select(self, layer, scores, budget, seen_tokens):
         return self.inner.select(layer, scores, budget, seen_tokens)
 
-    def base_scores(self, layer, seen_tokens) -> tuple[torch.Tensor, int]:
-        """Base scores per query head, [B, H_kv, G', cap], and how many query heads each of the
-        G' rows stands for (G' = 1 for a base that reads no queries, or whose per-query-head
-        scores are all equal, like TOVA's layer mean)."""
+    def base_scores(self, layer, seen_tokens) -> torch.Tensor:
+        """Base scores per query head, [B, H_kv, G', cap]: G' = 1 for a base that reads no
+        queries, or whose per-query-head scores are all equal (TOVA's layer mean); G' = G
+        otherwise."""
         B, H = layer.lengths.shape
-        queries = layer.recent_queries
-        group = queries.shape[1] // H if self.inner.query_window() > 0 and queries is not None else 1
+        group = self._group(layer)
         if group == 1:
-            return self.inner.score(layer, seen_tokens)[:, :, None], 1
+            return self.inner.score(layer, seen_tokens)[:, :, None]
         if hasattr(self.inner, "score_per_query_head"):  # no K/V copy per query head (TOVA)
-            per_head = self.inner.score_per_query_head(layer, seen_tokens)
-            return per_head, group // per_head.shape[2]
-        return self.inner.score(_PerQueryHead(layer, group), seen_tokens).reshape(B, H, group, -1), 1
+            return self.inner.score_per_query_head(layer, seen_tokens)
+        return self.inner.score(_PerQueryHead(layer, group), seen_tokens).reshape(B, H, group, -1)
+
+    def _group(self, layer) -> int:
+        """Query heads per kv head as the base sees them (1 for a base that reads no queries)."""
+        queries = layer.recent_queries
+        if self.inner.query_window() > 0 and queries is not None:
+            return queries.shape[1] // layer.lengths.shape[1]
+        return 1
+
+    def observe(self, layer, probs, query_pos):
+        """The base's update, then (decode steps) the weights of the output the errors are
+        measured from: h of Eq. (21) for CAOTE (o = h V, Eq. 20), uniform over the live tokens
+        for FastCAOTE (the mean value, Eq. 22).  The attention pass returns o with its own
+        output, and o.v_j while V is still in the CPU's cache (``layer.value_mix``), so the
+        compression after this step reads no V."""
+        self.inner.observe(layer, probs, query_pos)
+        if probs.shape[3] != 1 or query_pos is None:  # prefill chunks: o at compression
+            return None
+        live = layer.live()
+        if self.fast:
+            return live[:, :, None].float() / live.sum(dim=-1)[:, :, None, None].clamp(min=1)
+        return retention_weights(self.base_scores(layer, query_pos[:, -1] + 1), live)
 
     def score(self, layer, seen_tokens):
-        scores, copies = self.base_scores(layer, seen_tokens)
-        value_sum = kv_sum(layer, "value_sum") if self.fast else None
-        errors = caote_errors(scores, layer.values, layer.live(), self.fast, kv_field(layer, "value_sqnorm"), value_sum)
-        squared = errors.square().sum(dim=2) * copies  # App. B.2: concatenated heads of each kv group
+        mix = layer.value_mix  # (weights, o, o.v_j) from this step's attention pass (observe)
+        if mix is not None and not self.fast:
+            h, out, dots = mix
+        else:
+            live = layer.live()
+            h = retention_weights(self.base_scores(layer, seen_tokens), live)
+            if mix is not None:
+                _, out, dots = mix
+            elif self.fast:  # Eq. (22): the mean of the live values, from the running sum
+                count = live.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, H, 1]
+                out, dots = (kv_sum(layer, "value_sum").to(h.dtype) / count)[:, :, None], None  # [B, H, 1, D]
+            else:
+                out, dots = h @ layer.values.float(), None  # Eq. (20)
+        errors = output_errors(h, layer.values, out, kv_field(layer, "value_sqnorm"), dots)  # [B, H, G', cap]
+        copies = self._group(layer) // h.shape[2]  # query heads each of the G' rows stands for
+        if errors.shape[2] == 1 and copies == 1 and not self.needs_aligned_heads():
+            return errors[:, :, 0]
+        squared = errors.square_().sum(dim=2)  # App. B.2: concatenated heads of each kv group
+        if copies != 1:
+            squared.mul_(copies)
         if self.needs_aligned_heads():  # one decision per layer: every head's change counts
-            squared = squared.sum(dim=1, keepdim=True).expand_as(squared)
-        return squared.sqrt()  # [B, H_kv, cap]
+            return squared.sum(dim=1, keepdim=True).sqrt_().expand_as(squared)
+        return squared.sqrt_()  # [B, H_kv, cap]
 
 
 @register_wrapper("fastcaote")
