@@ -63,15 +63,19 @@ def observe_timestamps(layer, probs: torch.Tensor, query_pos: torch.Tensor, alph
     """
     ts = born_timestamps(layer)  # [B, H, cap]
     attn = reduce_group(probs, head_reduction)  # [B, H, T, cap]
+    if attn.shape[2] == 1:  # a decode step: TS <= t already, so line 3 is a select, not a max
+        hit = attn[:, :, 0] >= alpha  # [B, H, cap]
+        now = query_pos.to(ts.dtype)[:, :, None]  # [B, 1, 1]
+        if track_mri:  # Eq. (1) from the stored (previous) TS
+            torch.maximum(layer.meta["mri"], torch.where(hit, now - ts, float("-inf")), out=layer.meta["mri"])
+        torch.where(hit, now, ts, out=layer.meta["ts"])  # in place (captured steps)
+        return
     step = query_pos.to(attn.dtype)[:, None, :, None]  # [B, 1, T, 1]
     hit = torch.where(attn >= alpha, step, float("-inf"))  # step of each activation, -inf if none
     new_ts = torch.maximum(ts, hit.amax(dim=2))  # Alg. 1 line 3
     if track_mri:  # Alg. 1 line 6, from the *previous* TS
         # TS_{t-1} seen by each query: the old TS, then activations of earlier queries of this call
-        if hit.shape[2] == 1:  # one decode step: the previous TS is the stored one
-            gap = hit[:, :, 0] - ts
-        else:
-            before = torch.cat([ts[:, :, None], hit[:, :, :-1]], dim=2).cummax(dim=2).values
-            gap = (hit - before).amax(dim=2)  # -inf where never activated in this call
+        before = torch.cat([ts[:, :, None], hit[:, :, :-1]], dim=2).cummax(dim=2).values
+        gap = (hit - before).amax(dim=2)  # -inf where never activated in this call
         torch.maximum(layer.meta["mri"], gap, out=layer.meta["mri"])  # Eq. (1), in place
     layer.meta["ts"].copy_(new_ts)  # in place: per-token state keeps its address (captured steps)
