@@ -8,7 +8,7 @@ import pytest
 
 from kvsieve import make_policy
 from kvsieve.attention import ATTN_IMPLEMENTATION
-from kvsieve.bench.overhead import append_random, filled_cache, time_method
+from kvsieve.bench.overhead import append_random, filled_cache, lag_steady_state, lag_tokens_until_due, time_method
 
 
 @pytest.fixture()
@@ -42,6 +42,20 @@ def test_time_method_gives_finite_paired_step_times_for_every_step_and_interval_
     assert 0 < ours < 60 and 0 < full < 60
 
 
+def test_lagkv_timing_compresses_one_partition_per_charged_compression(model):
+    from kvsieve.bench.overhead import _Timed
+
+    timed = _Timed(model, "lagkv", batch=1, length=200, steps=2, budget=None)
+    assert timed.interval == 128 and timed.seen == lag_steady_state(timed.policy.scorer, 200)
+    before = int(timed.cache.layers[0].live().sum(-1).max())
+    seconds = timed.compression()  # twice: up to the due partition, then L more; each drops L - k
+    live = int(timed.cache.layers[-1].live().sum(-1).max())
+    seen = int(timed.cache.seen_tokens[0])
+    assert 0 < seconds < 60 and live == before + (seen - timed.seen) - 2 * (128 - 32)
+    ours, full = time_method(model, "lagkv", batch=1, length=200, steps=2)
+    assert 0 < ours < 60 and 0 < full < 60
+
+
 def test_paired_timing_runs_full_and_the_method_alternately_on_their_own_caches(model, monkeypatch):
     """Each timed step of the method sits next to a timed step of full (alternating order), and
     the method's cache holds the budget while full's holds the length."""
@@ -63,7 +77,19 @@ def test_paired_timing_runs_full_and_the_method_alternately_on_their_own_caches(
 
 
 def test_lagkv_has_no_budget_to_hold_a_length_at():
-    assert all(math.isnan(t) for t in time_method(None, "lagkv", batch=1, length=64, steps=2))
+    assert all(math.isnan(t) for t in time_method(None, "lagkv", batch=1, length=64, steps=2, budget=32))
+
+
+def test_lagkv_is_timed_in_steady_state_with_its_next_partition_due_within_l_steps():
+    scorer = make_policy("lagkv").scorer  # S 16, L 128, k 32
+    seen = lag_steady_state(scorer, 2048)
+    frozen = (seen - 2048) // (128 - 32)
+    assert seen - 16 - frozen * 128 == 2048 - 16 - frozen * 32  # live = sinks + frozen * k + tail
+    tail = seen - 16 - frozen * 128
+    assert 128 <= tail < 128 + 32 and lag_tokens_until_due(scorer, seen, 2048) == 256 - tail
+    assert lag_tokens_until_due(scorer, seen + 256 - tail, 2048 + 256 - tail) == 0
+    with pytest.raises(ValueError, match="leave no frozen partition"):
+        lag_steady_state(scorer, 150)
 
 
 def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):

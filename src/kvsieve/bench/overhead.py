@@ -90,9 +90,14 @@ class _Timed:
         self.model, self.batch, self.steps = model, batch, steps
         self.held = length if budget is None or method == "full" else budget
         self.first_pos = length - self.held
+        self.seen = length  # tokens each row has seen when timing starts
         settings = {"window": 16} if method == "lazy" else {}
-        self.policy = make_policy(method, budget=None if method == "full" else self.held, **settings)
+        budgeted = method == "full" or SCORERS[method.split(":")[-1]].uses_budget
+        self.policy = make_policy(method, budget=None if method == "full" or not budgeted else self.held, **settings)
         self.interval = self.policy.interval if self.policy.scorer else 1
+        self.partitions = not budgeted  # LagKV: frozen partitions + a tail, compressed every L tokens
+        if self.partitions:
+            self.seen, self.interval = lag_steady_state(self.policy.scorer, length), self.policy.scorer.lag
         self.budgets = self.policy.layer_budgets(model.config.num_hidden_layers)
         self.observer = self.policy.observer()
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
@@ -101,6 +106,7 @@ class _Timed:
     def reset(self) -> None:
         """A fresh cache holding ``held`` tokens (allocated once for all the timed steps)."""
         self.cache = filled_cache(self.model, self.policy, self.batch, self.held, self.steps + 4, self.first_pos)
+        self.cache.seen_tokens.fill_(self.seen)
         self.step_index = 0  # decode steps since the last compression, as generate counts them
 
     def step(self) -> float:
@@ -125,7 +131,11 @@ class _Timed:
         best = float("inf")
         for _ in range(2):  # the first one warms up
             live = self.cache.layers[0].live().sum(-1).max().item()
-            append_random(self.model, self.cache, self.held + self.interval - live)
+            if self.partitions:  # LagKV: up to the tail's second full partition
+                count = lag_tokens_until_due(self.policy.scorer, int(self.cache.seen_tokens[0]), live)
+            else:
+                count = self.held + self.interval - live
+            append_random(self.model, self.cache, count)
             _sync(self.model)
             t0 = time.perf_counter()
             compress(self.cache, self.policy, self.budgets)
@@ -148,10 +158,13 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     budget + I, untimed, and one timed compression is charged 1/I per step.  A scorer that
     observes only the step before a compression (TOVA inside AMS) runs unobserved timed steps;
     its one observed step per interval (about tova's per-step extra, divided by I) is not timed.
-    Returns (nan, nan) for a method with no token budget to hold (LagKV).
+    LagKV and its variants (no token budget) run at their defaults in steady state
+    (``lag_steady_state``): ``length`` live tokens, all but a tail of L to L + k - 1 in frozen
+    partitions, one compression per L steps; with ``budget`` set they are not timed (nan, nan).
     """
     if method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
-        return float("nan"), float("nan")
+        if budget is not None:
+            return float("nan"), float("nan")
     full = _Timed(model, "full", batch, length, steps, None)
     ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget)
     runners = [r for r in (full, ours) if r is not None]
@@ -173,6 +186,25 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     if ours.interval > 1:
         ours_s += ours.compression() / ours.interval
     return ours_s, full_s
+
+
+def lag_steady_state(scorer, length: int) -> int:
+    """Seen tokens at which a LagKV-style cache of ``length`` live tokens is in steady state:
+    S sinks, p frozen partitions of k tokens and a tail of L to L + k - 1 tokens, so L more
+    steps at most complete the next partition.  ``_lag.find_tail`` reads p from seen - live,
+    so random tokens at any positions act as that state."""
+    S, L, k = scorer.sinks, scorer.lag, scorer.kept
+    frozen = (length - S - L) // k
+    if frozen < 1 or k >= L:
+        raise ValueError(f"{scorer.name}: {length} live tokens leave no frozen partition "
+                         f"(S={S}, L={L}, k={k}); use a length of at least {S + L + k}")
+    return S + frozen * L + (length - S - frozen * k)
+
+
+def lag_tokens_until_due(scorer, seen: int, live: int) -> int:
+    """Appends until the tail holds two full partitions (the next LagKV compression)."""
+    frozen = (seen - live) // (scorer.lag - scorer.kept)
+    return max(2 * scorer.lag - (seen - scorer.sinks - frozen * scorer.lag), 0)
 
 
 def _sync(model):
