@@ -32,7 +32,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # queries (zero rows for padding queries), query_pos [B, T] their positions.  It returns None,
 # or weights W [B, H_kv, R, capacity] over the cached tokens whose mixes M = W V the scorer
 # wants: M is computed in the same pass over V as the attention output and left, with M V^T,
-# in ``layer.value_mix`` = (W, M, M V^T) for the compression that follows the step.
+# in ``layer.step_results["value_mix"]`` = (W, M, M V^T) for the compression after the step.
 Observer = Callable[[SieveLayer, int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
@@ -135,7 +135,7 @@ def sieve_attention(module, query, key, value, attention_mask=None, scaling=None
             out = torch.matmul(torch.cat([rows, mix_weights.to(value.dtype)], dim=2), value)
             mix = out[:, :, G * T:]  # [B, H_kv, R, D]
             # the mixes' dot products with every value, while V is still in the CPU's cache
-            layer.value_mix = (mix_weights, mix, torch.matmul(mix, value.transpose(-1, -2)))
+            layer.step_results["value_mix"] = (mix_weights, mix, torch.matmul(mix, value.transpose(-1, -2)))
             out = out[:, :, : G * T]
         out = out.reshape(B, H * G, T, value.shape[-1])
     else:

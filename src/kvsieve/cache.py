@@ -33,6 +33,8 @@ upper bound on ``lengths.max()`` kept without reading the device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -119,10 +121,11 @@ class SieveLayer(CacheLayerMixin):
         self._query_pos_buf: torch.Tensor | None = None  # [B, 2w]
         self._query_end = 0  # host int: entries of the buffer in use
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
-        # (W [B, H_kv, R, cap], M = W V [B, H_kv, R, D], M V^T [B, H_kv, R, cap]): value mixes a
-        # scorer asked for in this step's observed attention pass (attention.sieve_attention),
-        # valid until the store changes (cleared by update, compact, evict and select_rows)
-        self.value_mix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # What a scorer computed in this step's attention pass, while K or V was still in the
+        # CPU's cache, for the compression after the step (CAOTE's "value_mix", KeyDiff's
+        # "anchor_dots"); valid until the store changes: cleared by update, compact, evict and
+        # select_rows
+        self.step_results: dict[str, Any] = {}
         # Static mode (GenerateConfig.static_shapes): every tensor keeps its address between
         # reallocations (a compaction to the same capacity copies back in place, the query window
         # is a fixed ring), so a decode step can be replayed from a captured CUDA graph.
@@ -173,7 +176,7 @@ class SieveLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         B, H, T, D = key_states.shape
         self.reserve(self.max_len + T)
-        self.value_mix = None
+        self.step_results.clear()
         slot = self.lengths[:, :, None] + torch.arange(T, device=self.device)  # [B, H, T]
         key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         self.keys.scatter_(2, slot[..., None].expand(B, H, T, D), key_states)
@@ -252,7 +255,7 @@ class SieveLayer(CacheLayerMixin):
         B, H, K = kept_idx.shape
         if capacity < K:
             raise ValueError(f"compact: capacity {capacity} < kept slots {K}")
-        self.value_mix = None
+        self.step_results.clear()
         if capacity > K:
             kept_idx = torch.cat([kept_idx, kept_idx.new_zeros(B, H, capacity - K)], dim=2)
         dead = torch.arange(capacity, device=self.device) >= new_lengths[..., None]  # [B, H, capacity]
@@ -282,7 +285,7 @@ class SieveLayer(CacheLayerMixin):
         bound on the lengths.
         """
         m = drop_idx.shape[-1]
-        self.value_mix = None
+        self.step_results.clear()
         if m == 1:  # every-step eviction: about half the operations of the general case
             self._evict_one(drop_idx, drop_count, max_len)
             return
@@ -344,7 +347,7 @@ class SieveLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.keys, self.values = self.keys[rows], self.values[rows]
-        self.value_mix = None
+        self.step_results.clear()
         self.lengths = self.lengths[rows]
         self.meta = {name: t[rows] for name, t in self.meta.items()}
         self.sums = {name: t[rows] for name, t in self.sums.items()}

@@ -105,7 +105,7 @@ class Scorer:
         """Update per-token state from this step's attention rows [B, H_kv, G, T, capacity]
         (zero rows for padding queries); ``query_pos`` [B, T] are the queries' positions.
         May return weights [B, H_kv, R, capacity] whose mixes of V the attention pass computes
-        alongside its output (``layer.value_mix``, see ``attention.Observer``)."""
+        alongside its output (``layer.step_results["value_mix"]``, see ``attention.Observer``)."""
 
     def should_compress(self, layer: SieveLayer, budget: int | None) -> bool:
         """Host-side decision (no device read) whether this layer compresses now."""

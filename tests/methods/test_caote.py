@@ -191,7 +191,7 @@ def test_output_from_the_attention_pass_gives_the_same_scores(method, settings):
     them equal scores recomputed at compression, and any change to the store drops them."""
     policy = make_policy(method, budget=4, **settings)
     layer, seen = decode_cache(7, meta_init=policy.scorer.meta_init, observer=policy.observer())
-    h, out, dots = layer.value_mix
+    h, out, dots = layer.step_results["value_mix"]
     assert h.shape[:2] == (B, H) and h.shape[-1] == layer.capacity
     if method.startswith("fast"):  # uniform weights: the mean of the live values (Eq. 22)
         live = layer.live()
@@ -200,11 +200,11 @@ def test_output_from_the_attention_pass_gives_the_same_scores(method, settings):
     torch.testing.assert_close(out, h @ layer.values, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dots, out @ layer.values.transpose(-1, -2), rtol=1e-5, atol=1e-6)
     fused = policy.scorer.score(layer, seen)
-    layer.value_mix = None
+    layer.step_results.clear()
     torch.testing.assert_close(fused, policy.scorer.score(layer, seen), rtol=1e-5, atol=1e-6)
-    layer.value_mix = (h, out, dots)
+    layer.step_results["value_mix"] = (h, out, dots)
     layer.evict(torch.zeros(B, H, 1, dtype=torch.long), torch.ones(B, H, dtype=torch.long), layer.max_len)
-    assert layer.value_mix is None
+    assert not layer.step_results
 
 
 def test_negative_base_scores_are_shifted_then_normalised_keeping_their_order():

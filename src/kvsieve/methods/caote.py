@@ -167,8 +167,8 @@ class CAOTE(WrappingScorer):
         """The base's update, then (decode steps) the weights of the output the errors are
         measured from: h of Eq. (21) for CAOTE (o = h V, Eq. 20), uniform over the live tokens
         for FastCAOTE (the mean value, Eq. 22).  The attention pass returns o with its own
-        output, and o.v_j while V is still in the CPU's cache (``layer.value_mix``), so the
-        compression after this step reads no V."""
+        output, and o.v_j while V is still in the CPU's cache (``layer.step_results``), so
+        the compression after this step reads no V."""
         self.inner.observe(layer, probs, query_pos)
         if probs.shape[3] != 1 or query_pos is None:  # prefill chunks: o at compression
             return None
@@ -178,7 +178,7 @@ class CAOTE(WrappingScorer):
         return retention_weights(self.base_scores(layer, query_pos[:, -1] + 1), live)
 
     def score(self, layer, seen_tokens):
-        mix = layer.value_mix  # (weights, o, o.v_j) from this step's attention pass (observe)
+        mix = layer.step_results.get("value_mix")  # (weights, o, o.v_j) from this step's attention pass
         if mix is not None and not self.fast:
             h, out, dots = mix
         else:
