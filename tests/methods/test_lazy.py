@@ -291,13 +291,16 @@ def test_budget_at_least_length_reproduces_full_greedy(smollm):
 
 
 def watch_compress(monkeypatch):
-    """Record (lengths before, lengths after, seen_tokens) of every compression call."""
+    """Record (lengths before, lengths after, seen_tokens, did, slots allocated before) of every
+    compression call."""
     calls, original = [], gen_module.compress
 
     def watched(cache, policy, budgets):
         before = [layer.lengths.clone() for layer in cache.layers]
+        capacity = [layer.capacity for layer in cache.layers]
         did = original(cache, policy, budgets)
-        calls.append((before, [layer.lengths.clone() for layer in cache.layers], cache.seen_tokens.clone(), did))
+        calls.append((before, [layer.lengths.clone() for layer in cache.layers], cache.seen_tokens.clone(), did,
+                      capacity))
         return did
 
     monkeypatch.setattr(gen_module, "compress", watched)
@@ -309,9 +312,9 @@ def test_small_budget_stays_within_b_plus_w_and_drops_to_b(smollm, monkeypatch):
     calls = watch_compress(monkeypatch)
     result = run(smollm, [SHORT, MEDIUM], make_policy("lazy", budget=B_, window=W, family="llama"), 64)
     assert [s.prompt_tokens for s in result.stats] == [38, 42]  # prompts fit the budget
-    assert calls and all(did for *_, did in calls)
+    assert calls and all(did for _, _, _, did, _ in calls)
     prompt = torch.tensor([38, 42])
-    for before, after, seen, _ in calls:
+    for before, after, seen, _, _ in calls:
         assert ((seen - prompt) % W == 0).all()  # only on decode steps t = kW
         assert all((x <= B_ + W).all() for x in before)
         assert all((x == B_).all() for x in after)
@@ -324,7 +327,8 @@ def test_the_prompt_is_not_compressed_at_prefill(smollm, monkeypatch):
     calls = watch_compress(monkeypatch)
     run(smollm, [LONG], make_policy("lazy", budget=B_, window=W, family="llama"), W + 1)
     assert len(calls) == 1  # the only compression is at decode step W
-    before, after, seen, _ = calls[0]
+    before, after, seen, _, capacity = calls[0]
     assert int(seen) == 77 + W
     assert all((x == 77 + W).all() for x in before)  # the 77 prompt tokens were all still there
+    assert capacity == [77 + W] * len(capacity)  # room for W appends, not a whole growth chunk
     assert all((x == B_).all() for x in after)
