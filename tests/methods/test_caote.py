@@ -272,6 +272,18 @@ def test_budget_at_least_length_reproduces_full(smollm, full_run, method):
 
 
 
+@pytest.mark.parametrize("method", ["ams:caote:tova", "ams:fastcaote:h2o"])
+def test_caote_under_ams_scores_through_its_view_and_stays_within_budget_plus_interval(smollm, method):
+    """AMS hands its base a per-head view of the layer: CAOTE then recomputes o itself instead of
+    reading the attention pass's (whose shapes are the layer's)."""
+    budget, interval = 48, 8
+    result = generate(*smollm, [SHORT, LONG], make_policy(method, budget=budget, interval=interval),
+                      GenerateConfig(max_new_tokens=40))
+    assert all(s.compression_events > 0 for s in result.stats)
+    kv_heads = smollm[0].config.num_key_value_heads  # token counts are per layer, summed over kv heads
+    assert all(max(s.final_kv_tokens) <= kv_heads * (budget + interval) for s in result.stats)
+
+
 def test_block_wise_prefill_and_decode_stay_within_budget(smollm, monkeypatch):
     budget, block = 24, 16
     policy = make_policy("caote:tova", budget=budget, heads="group")

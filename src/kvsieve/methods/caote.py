@@ -179,6 +179,8 @@ class CAOTE(WrappingScorer):
 
     def score(self, layer, seen_tokens):
         mix = layer.step_results.get("value_mix")  # (weights, o, o.v_j) from this step's attention pass
+        if mix is not None and mix[0].shape[:2] != layer.lengths.shape:  # a wrapper's per-head view (ams:)
+            mix = None
         if mix is not None and not self.fast:
             h, out, dots = mix
         else:
