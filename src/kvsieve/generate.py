@@ -268,7 +268,8 @@ def generate(
                 cache.seen_tokens = (positions[:, : chunk.stop] != DEAD_POS).sum(dim=1)
                 compress(cache, policy, budgets)
         cache.seen_tokens = torch.tensor([len(ids) for ids in encoded], device=device)
-        drop_dead(cache, headroom=policy.interval if scorer else config.grow_chunk, bounded=scorer is not None)
+        drop_dead(cache, headroom=policy.interval if scorer else config.grow_chunk,
+                  past_hint=scorer is not None and not policy.compress_prefill)
         tracker = _Tracker(run, cache)
         if scorer is not None and policy.compress_prefill:
             tracker.record()

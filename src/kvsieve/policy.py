@@ -352,17 +352,17 @@ def compress(cache: SieveCache, policy: Policy, budgets: list[int]) -> bool:
     return did
 
 
-def drop_dead(cache: SieveCache, headroom: int, bounded: bool = False) -> None:
+def drop_dead(cache: SieveCache, headroom: int, past_hint: bool = False) -> None:
     """Remove padding slots from every layer (after prefill) with one gather per layer, leaving
-    ``headroom`` free slots.  Without a policy (``bounded`` False) the capacity hint (the whole
-    sequence) caps that room; a bounded policy's headroom is its interval, the appends before
-    its next compression, which a prompt left uncompressed past budget + interval (LazyEviction,
-    AMS) needs beyond the hint: capping it there would grow the store by a whole chunk."""
+    ``headroom`` free slots, at most up to the capacity hint unless ``past_hint``: a bounded
+    policy that leaves the prompt uncompressed until its next compression (LazyEviction, AMS,
+    SkipKV) needs its interval of appends beyond budget + interval when the prompt is longer
+    than the budget; capping it at the hint would grow the store by a whole chunk."""
     for layer in cache.layers:
         keep = layer.live()
         K = int(keep.sum(dim=-1).max())
         kept_idx, new_lengths = indices_from_mask(keep, K)
         capacity = K + headroom
-        if layer.capacity_hint is not None and not bounded:
+        if layer.capacity_hint is not None and not past_hint:
             capacity = max(K, min(capacity, layer.capacity_hint))
         layer.compact(kept_idx, new_lengths, capacity=capacity, max_len=K)

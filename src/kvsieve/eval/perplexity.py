@@ -75,7 +75,8 @@ def score_text(model, tokenizer, text: str, policy: Policy | None = None, max_to
         logp = _step(model, cache, ids_t[:, :prefill], positions[:, :prefill], observer)
         nll = -logp[0, :-1].gather(-1, ids_t[0, 1:prefill, None]).sum().item() if prefill > 1 else 0.0
         cache.seen_tokens = torch.tensor([prefill], device=device)
-        drop_dead(cache, headroom=policy.interval if scorer else 256, bounded=scorer is not None)
+        drop_dead(cache, headroom=policy.interval if scorer else 256,
+                  past_hint=scorer is not None and not policy.compress_prefill)
         score = TextScore(nll=0.0, scored_tokens=len(ids) - 1, prompt_tokens=len(ids))
         peak = cache.live_tokens()[0]
         for t in range(prefill, len(ids)):
