@@ -185,7 +185,7 @@ def test_preset_follows_the_vectors_sign_and_takes_overrides():
 
 
 def test_read_names_the_fix_for_files_that_are_not_vectors(tmp_path):
-    with pytest.raises(ValueError, match="does not exist; build one with: python -m kvsieve.steering build"):
+    with pytest.raises(ValueError, match="does not exist; build one with: kvsieve steering build"):
         SteeringVector.read(tmp_path / "missing.pt")
     (tmp_path / "junk.pt").write_text("not a tensor file")
     with pytest.raises(ValueError, match="is not a steering vector file"):

@@ -91,7 +91,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
     steering_file: Optional[str] = typer.Option(
         None, "--steering", metavar="FILE",
-        help="SkipKV adaptive steering vector (python -m kvsieve.steering build --model M --out FILE); it must "
+        help="SkipKV adaptive steering vector (kvsieve steering build --model M --out FILE); it must "
              "have been built for --model. Vectors built with --released steer with the release preset."),
     steering_set: List[str] = typer.Option(
         [], "--steering-set", help="Steering setting key=value: alpha0, gamma or positions (repeatable)."),

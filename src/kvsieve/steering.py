@@ -131,7 +131,7 @@ class SteeringVector:
     @classmethod
     def read(cls, path: str | Path) -> "SteeringVector":
         """The vector saved at ``path``, not yet checked against a model (``check``)."""
-        hint = "build one with: python -m kvsieve.steering build --model MODEL --out FILE"
+        hint = "build one with: kvsieve steering build --model MODEL --out FILE"
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -150,7 +150,7 @@ class SteeringVector:
             raise SteeringModelError(
                 f"steering vector{where} was built for {self.model_name} {self.fingerprint}, not for "
                 f"{model_name(model)} {model_fingerprint(model)}; build one for this model "
-                "(python -m kvsieve.steering build --model ...)")
+                "(kvsieve steering build --model ...)")
         return self
 
     @classmethod
@@ -332,7 +332,7 @@ class Steering:
     def released(cls, vector: SteeringVector) -> "Steering":
         if vector.settings.get("direction") != RELEASED["direction"]:
             raise ValueError("the release preset steers with negative strengths: build the vector with "
-                             "direction='others_minus_execution' (python -m kvsieve.steering build --released)")
+                             "direction='others_minus_execution' (kvsieve steering build --released)")
         return cls(vector, **{k: RELEASED[k] for k in ("alpha0", "gamma", "positions")})
 
     @classmethod
@@ -404,15 +404,16 @@ def padding_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvsieve.steering build --model M --samples N --out FILE``."""
+    """``kvsieve steering build --model M --samples N --out FILE``."""
     import argparse
 
     from .models import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m kvsieve.steering")
+    parser = argparse.ArgumentParser(prog="kvsieve steering")
     build = parser.add_subparsers(dest="command", required=True).add_parser("build", help="build a SkipKV steering vector (Sec. 4.2)")
     build.add_argument("--model", required=True)
-    build.add_argument("--dataset", default="../shared/data/gsm8k_train.jsonl", help="JSONL with 'question'")
+    build.add_argument("--dataset", default="../shared/data/gsm8k_train.jsonl",
+                       help="JSONL of problems ('question' as GSM8K, or 'problem' as MATH)")
     build.add_argument("--samples", type=int, default=500)  # Sec. 5.1: 500 problems
     build.add_argument("--skip", type=int, default=0, help="start after this many rows of --dataset")
     build.add_argument("--layer", type=int, default=None)

@@ -56,7 +56,7 @@ def eval_command(
                                    "(method.key also sets method+steer; method+steer.key only the steered label)."),
     steering: Optional[Path] = typer.Option(
         None, "--steering", metavar="FILE",
-        help="SkipKV steering vector (python -m kvsieve.steering build --model MODEL --out FILE), built for --model, "
+        help="SkipKV steering vector (kvsieve steering build --model MODEL --out FILE), built for --model, "
              "used by the +steer methods only. Rows of those methods record settings.steering (strengths, vector "
              "sha256); a results directory refuses another vector or strength for them."),
     steering_set: List[str] = typer.Option(

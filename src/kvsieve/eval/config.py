@@ -94,7 +94,7 @@ class EvalConfig:
     device, dtype : str
         For ``load_model``.
     steering : str | None
-        SkipKV steering vector file (``python -m kvsieve.steering build``) for the methods
+        SkipKV steering vector file (``kvsieve steering build``) for the methods
         labelled ``<method>+steer`` (``full+steer``: steering alone); needed iff one is listed.
     steering_settings : dict
         ``alpha0`` / ``gamma`` / ``positions`` over the vector's preset (``Steering.preset``).
@@ -134,7 +134,7 @@ class EvalConfig:
         steered = [m for m in self.methods if split_steer(m)[1]]
         if steered and self.steering is None:
             raise ValueError(f"method(s) {steered} need a steering vector: pass --steering FILE (build one with "
-                             "python -m kvsieve.steering build --model MODEL --out FILE)")
+                             "kvsieve steering build --model MODEL --out FILE)")
         if self.steering is not None and not steered:
             raise ValueError(f"--steering is used only by methods labelled <method>{STEER}; add one to --methods, "
                              f"e.g. skipkv,skipkv{STEER} to compare without and with steering")
