@@ -121,10 +121,9 @@ class SieveLayer(CacheLayerMixin):
         self._query_pos_buf: torch.Tensor | None = None  # [B, 2w]
         self._query_end = 0  # host int: entries of the buffer in use
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
-        # What a scorer computed in this step's attention pass, while K or V was still in the
-        # CPU's cache, for the compression after the step (CAOTE's "value_mix", KeyDiff's
-        # "anchor_dots"); valid until the store changes: cleared by update, compact, evict and
-        # select_rows
+        # What this step's attention pass computed for the scorer while V was still in the CPU's
+        # cache, for the compression after the step (CAOTE's "value_mix"); valid until the store
+        # changes: cleared by update, compact, evict and select_rows
         self.step_results: dict[str, Any] = {}
         # Static mode (GenerateConfig.static_shapes): every tensor keeps its address between
         # reallocations (a compaction to the same capacity copies back in place, the query window

@@ -162,9 +162,8 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     (``lag_steady_state``): ``length`` live tokens, all but a tail of L to L + k - 1 in frozen
     partitions, one compression per L steps; with ``budget`` set they are not timed (nan, nan).
     """
-    if method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
-        if budget is not None:
-            return float("nan"), float("nan")
+    if budget is not None and method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
+        return float("nan"), float("nan")
     full = _Timed(model, "full", batch, length, steps, None)
     ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget)
     runners = [r for r in (full, ours) if r is not None]

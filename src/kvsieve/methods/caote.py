@@ -71,26 +71,29 @@ def output_errors(h: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
     return ratio.mul_(dist).masked_fill_(h >= 1, float("inf"))
 
 
+def output_of(h: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool,
+              value_sum: torch.Tensor | None = None) -> torch.Tensor:
+    """The output the errors are measured from, [B, H_kv, G, D]: o = h V (Eq. 20), or with
+    ``fast`` the mean of the live values, [B, H_kv, 1, D] (Eq. 22), from ``value_sum`` [B, H_kv, D]
+    (the cache's running sum) when given, else from a pass over V."""
+    if not fast:
+        return h @ values.float()
+    if value_sum is None:
+        value_sum = (live[..., None] * values.float()).sum(dim=2)
+    count = live.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, H, 1]
+    return (value_sum.to(h.dtype) / count)[:, :, None]
+
+
 def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor, fast: bool = False,
                  value_sqnorm: torch.Tensor | None = None, value_sum: torch.Tensor | None = None) -> torch.Tensor:
     """Eviction error of every token for every query head from base scores: [B, H_kv, G, S].
 
     scores: [B, H_kv, G, S] base retention scores per query head (normalised by
     ``retention_weights``); values: [B, H_kv, S, D]; live: [B, H_kv, S]; value_sqnorm as in
-    ``output_errors``; value_sum: [B, H_kv, D] sum of the live values (FastCAOTE's mean without
-    a pass over V; the cache's running sum), else computed here.  The output is o = h V (Eq. 20),
-    or with ``fast`` the mean of the live values (Eq. 22).
+    ``output_errors``; fast and value_sum as in ``output_of``.
     """
     h = retention_weights(scores, live)
-    v = values.float()
-    if fast:
-        count = live.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, H, 1]
-        if value_sum is None:
-            value_sum = (live[..., None] * v).sum(dim=2)
-        out = (value_sum.to(v.dtype) / count)[:, :, None]  # [B, H, 1, D]
-    else:
-        out = h @ v  # [B, H, G, D]
-    return output_errors(h, v, out, value_sqnorm)
+    return output_errors(h, values, output_of(h, values, live, fast, value_sum), value_sqnorm)
 
 
 class _PerQueryHead:
@@ -188,11 +191,9 @@ class CAOTE(WrappingScorer):
             h = retention_weights(self.base_scores(layer, seen_tokens), live)
             if mix is not None:
                 _, out, dots = mix
-            elif self.fast:  # Eq. (22): the mean of the live values, from the running sum
-                count = live.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, H, 1]
-                out, dots = (kv_sum(layer, "value_sum").to(h.dtype) / count)[:, :, None], None  # [B, H, 1, D]
-            else:
-                out, dots = h @ layer.values.float(), None  # Eq. (20)
+            else:  # FastCAOTE's mean from the cache's running sum
+                value_sum = kv_sum(layer, "value_sum") if self.fast else None
+                out, dots = output_of(h, layer.values, live, self.fast, value_sum), None
         errors = output_errors(h, layer.values, out, kv_field(layer, "value_sqnorm"), dots)  # [B, H, G', cap]
         copies = self._group(layer) // h.shape[2]  # query heads each of the G' rows stands for
         if errors.shape[2] == 1 and copies == 1 and not self.needs_aligned_heads():
