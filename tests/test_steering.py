@@ -80,6 +80,23 @@ def test_vector_is_mean_execution_minus_mean_others(smollm, vector):
     torch.testing.assert_close(vector.vector, want, rtol=1e-4, atol=1e-4)
 
 
+def test_seal_labels_count_reflection_and_transition_phrases(smollm):
+    """SEAL's classes (Sec. 4's definition): "verify" and "another way" make Others sentences that
+    App. A.1's token keywords (Wait, Alternatively, again) leave as execution."""
+    model, tok = smollm
+    responses = ["7 times 8 is 56.\nLet me verify: 8 times 7 is 56.\nSo the answer is 56.\n",
+                 "Once a fox met a heron.\nWait, the heron came first.\nAnother way to tell it: they met.\n"]
+    counts = {}
+    for labels in ("keywords", "seal"):
+        with pytest.warns(UserWarning, match="few sentences"):
+            vec = build_steering_vector(model, tok, [SHORT, MEDIUM], responses=responses, labels=labels)
+        counts[labels] = (vec.settings["execution_sentences"], vec.settings["others_sentences"])
+    assert counts == {"keywords": (5, 1), "seal": (3, 3)}
+    assert "verify" in vec.settings["phrases"] and vec.settings["labels"] == "seal"
+    with pytest.raises(ValueError, match="labels must be 'keywords'"):
+        build_steering_vector(model, tok, [SHORT], responses=responses[:1], labels="sael")
+
+
 def test_release_preset_needs_the_release_sign(vector):
     with pytest.raises(ValueError, match="others_minus_execution"):
         Steering.released(vector)

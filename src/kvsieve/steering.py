@@ -11,6 +11,8 @@ github.com/TTTTTTris/SkipKV.
   sentences - mean hidden state of Others sentences, at the input of decoder layer ``layer``
   (``output_hidden_states[layer]`` in transformers' numbering), from the model's own greedy
   answers to calibration problems (``build_steering_vector``; kvsieve uses GSM8K *train*).
+  Others sentences are labelled by App. A.1's keywords (default) or by SEAL's reflection and
+  transition phrases (``labels="seal"``, the definition Sec. 4 follows).
 * **Adaptive steering** (Alg. 2 lines 19, 26-27): H_k <- H_k + alpha_t V with, per row,
   alpha_t = alpha_0 + gamma * N_o, N_o the row's closed Others sentences so far (``Steering``).
 * **Batch grouping** (Sec. 4.3, Eq. 12): ``group_by_prefill_length``.
@@ -54,6 +56,13 @@ DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")  # App. A.1, newline
 KEYWORDS = ("Wait", "Alternatively", "again")  # App. A.1, non-executable keyword set N
 PAPER_LAYER_FRACTION = 20 / 28  # App. A.2: layer 20 of R1-Qwen-7B's 28 (35/48 for 14B is 0.73)
 MIN_SENTENCES = 20  # below this many sentences on either side, build_steering_vector warns (kvsieve's choice)
+# SEAL's thought classes (Chen et al., 2025, arXiv:2504.07986, as its released classification step
+# lists them): a paragraph whose lower-cased text contains a transition or a reflection phrase is a
+# non-execution thought.  SkipKV Sec. 4 classifies "following the definition of" SEAL.
+SEAL_PHRASES = ("alternatively", "think differently", "another way", "another approach", "another method",
+                "another solution", "another strategy", "another technique",  # transition
+                "wait", "verify", "make sure", "hold on", "think again", "'s correct", "'s incorrect",
+                "let me check", "seems right")  # reflection
 RELEASED = {"direction": "others_minus_execution", "alpha0": -1.25, "gamma": -0.02, "positions": "paragraph"}
 
 
@@ -218,20 +227,26 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
                           responses: Sequence[str] | None = None, max_new_tokens: int = 512,
                           representation: str = "mean", direction: str = "execution_minus_others",
                           keywords: Sequence[str] = KEYWORDS, delimiters: Sequence[str] = DELIMITERS,
-                          dataset: str = "") -> SteeringVector:
+                          labels: str = "keywords", dataset: str = "") -> SteeringVector:
     """V = mean(H_E) - mean(H_O) over the sentences of the model's answers (Sec. 4.2).
 
     ``responses`` (texts) skip generation; otherwise the model answers greedily with full KV.
     ``representation``: "mean" averages a sentence's token states (the paper: "average hidden
     states of ... thoughts"); "delimiter" takes the state of the delimiter token just before
     the sentence (SEAL-style, as public SEAL replications do).  ``direction`` flips the sign
-    for the release preset.  Offline only: this loops over samples in Python.
+    for the release preset.  ``labels`` says which sentences are Others: "keywords" (default)
+    those holding a token of ``keywords``, App. A.1's set N, the labels decoding counts with;
+    "seal" those whose lower-cased text contains one of SEAL's phrases (``SEAL_PHRASES``: "verify",
+    "make sure", "another approach", ...), the classification SkipKV's Sec. 4 follows.  Offline
+    only: this loops over samples in Python.
     """
     from .generate import GenerateConfig, encode_prompts, generate
 
     if representation not in ("mean", "delimiter") or direction not in ("execution_minus_others", "others_minus_execution"):
         raise ValueError("representation must be 'mean' or 'delimiter'; direction 'execution_minus_others' "
                          "or 'others_minus_execution'")
+    if labels not in ("keywords", "seal"):
+        raise ValueError(f"labels must be 'keywords' (App. A.1's set N) or 'seal' (SEAL's phrases), got {labels!r}")
     layer = default_layer(model.config.num_hidden_layers) if layer is None else layer
     config = GenerateConfig(max_new_tokens=max_new_tokens)
     encoded = encode_prompts(tokenizer, prompts, config)
@@ -241,6 +256,13 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
         answers = [tokenizer(r, add_special_tokens=False).input_ids for r in responses]
     delim = set(vocab_ids(tokenizer, delimiters).tolist())
     keyword = set(vocab_ids(tokenizer, keywords, strip=True).tolist())
+
+    def is_others(sentence: list[int]) -> bool:
+        if labels == "seal":
+            text = tokenizer.decode(sentence).lower()
+            return any(phrase in text for phrase in SEAL_PHRASES)
+        return bool(keyword & set(sentence))
+
     groups: dict[str, list[torch.Tensor]] = {"E": [], "O": []}
     captured = []
     with _layer_input(model, layer, lambda h: captured.append(h[0].float()) or h):
@@ -251,7 +273,7 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
             for start, end in sentence_spans(answer, delim):
                 rep = (hidden[offset + start: offset + end + 1].mean(0) if representation == "mean"
                        else hidden[offset + start - 1])
-                groups["O" if keyword & set(answer[start: end + 1]) else "E"].append(rep)
+                groups["O" if is_others(answer[start: end + 1]) else "E"].append(rep)
     if not groups["E"] or not groups["O"]:
         raise ValueError(f"found {len(groups['E'])} execution and {len(groups['O'])} Others sentences; "
                          "both are needed: use more samples or check the keyword set")
@@ -263,7 +285,8 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
     if direction == "others_minus_execution":
         vector = -vector
     settings = {"dataset": dataset, "samples": len(encoded), "representation": representation,
-                "direction": direction, "keywords": list(keywords), "delimiters": list(delimiters),
+                "direction": direction, "labels": labels, "delimiters": list(delimiters),
+                **({"phrases": list(SEAL_PHRASES)} if labels == "seal" else {"keywords": list(keywords)}),
                 "execution_sentences": len(groups["E"]), "others_sentences": len(groups["O"])}
     return SteeringVector(vector.cpu(), layer, model_name(model), model_fingerprint(model), settings)
 
@@ -420,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--max-new-tokens", type=int, default=512)
     build.add_argument("--representation", choices=("mean", "delimiter"), default="mean")
     build.add_argument("--released", action="store_true", help="build V = H_O - H_E (official code's sign)")
+    build.add_argument("--labels", choices=("keywords", "seal"), default="keywords",
+                       help="Others sentences: 'keywords' hold Wait/Alternatively/again (App. A.1, as decoding "
+                            "counts them); 'seal' contain one of SEAL's reflection/transition phrases (Sec. 4)")
     build.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     model, tok = load_model(args.model)
@@ -427,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         vec = build_steering_vector(model, tok, calibration_prompts(args.samples, args.dataset, args.skip), layer=args.layer,
                                     max_new_tokens=args.max_new_tokens, representation=args.representation,
                                     direction=RELEASED["direction"] if args.released else "execution_minus_others",
+                                    labels=args.labels,
                                     dataset=f"{args.dataset} rows {args.skip}-{args.skip + args.samples - 1}")
     except ValueError as err:
         raise SystemExit(f"error: {err}")
