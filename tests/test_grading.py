@@ -12,7 +12,9 @@ from kvsieve.grading import boxed_answers, final_answer, grade, math_equal, to_n
     ("\\fbox{x^2}", ["x^2"]),
     ("no box", []),
     ("\\boxed{}", []),
-    ("unbalanced \\boxed{3", []),
+    ("unbalanced \\boxed{3", []),  # cut off: 3 may be the start of 35
+    ("is \\(\\boxed{8\\) miles from home", ["8"]),  # unclosed, but its math ends
+    ("\\boxed{40 miles\nso the car", ["40 miles"]),  # unclosed, its line ends
 ])
 def test_boxed_answers(text, expected):
     assert boxed_answers(text) == expected

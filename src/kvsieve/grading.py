@@ -34,11 +34,17 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_PHRASE = re.compile(
     r"(?:final answer|the answer|answer)\s*(?:is|:)\s*[:\s]*\$?\s*(?P<ans>[^\n$]+?)\s*\$?\s*(?:\.\s|\.?$|\n)",
     re.IGNORECASE | re.MULTILINE)
+_UNCLOSED_END = re.compile(r"\\\)|\\\]|\$|\n")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 def boxed_answers(text: str) -> list[str]:
-    """Contents of every ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces) and ``\\boxed 5``, in order."""
+    """Contents of every ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces) and ``\\boxed 5``, in order.
+
+    A box whose brace never closes (``\\(\\boxed{8\\) miles``, common once a cache has been
+    compressed hard) holds what follows it up to the end of its math (``\\)``, ``\\]``, ``$``) or
+    line; one the text ends inside (``\\boxed{3`` cut off at the token limit) holds nothing.
+    """
     found = []
     for match in _BOX.finditer(text):
         start = match.end()
@@ -49,6 +55,10 @@ def boxed_answers(text: str) -> list[str]:
                 if depth == 0:
                     found.append(text[start + 1:end].strip())
                     break
+            else:  # unclosed: only a box its math or line closes, never one the text cuts off
+                stop = _UNCLOSED_END.search(text, start + 1)
+                if stop:
+                    found.append(text[start + 1:stop.start()].strip())
         else:  # "\boxed 5": up to the next space or dollar sign
             token = re.match(r"[^\s$]+", text[start:])
             if token:
