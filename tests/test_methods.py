@@ -569,7 +569,14 @@ def test_policy_layer_budgets_pass_the_protected_tokens_to_the_allocator():
     budgets = policy.layer_budgets(10)
     assert budgets == Pyramid(beta=4).layer_budgets(100, 10, 20)
     assert min(budgets) >= 20
-    assert make_policy("knorm", budget=50).layer_budgets(3) == [50, 50, 50]
+    assert make_policy("knorm", budget=50, skip_layers=0).layer_budgets(3) == [50, 50, 50]
+
+
+def test_knorm_leaves_its_first_two_layers_uncompressed_as_the_authors_do():
+    assert make_policy("knorm", budget=50).layer_budgets(4) == [None, None, 50, 50]
+    assert make_policy("caote:knorm", budget=50, skip_layers=1).layer_budgets(3) == [None, 50, 50]
+    with pytest.raises(ValueError, match="skip_layers must be >= 0"):
+        make_policy("knorm", budget=50, skip_layers=-1)
 
 
 def test_pyramid_rejects_beta_below_one():

@@ -79,6 +79,11 @@ class Scorer:
         """How many recent post-RoPE queries per layer the engine must keep for ``score``."""
         return 0
 
+    def compresses_layer(self, layer_idx: int) -> bool:
+        """False for a layer the method never compresses (Knorm's first two): it keeps every
+        token, and the policy gives it no budget (``Policy.layer_budgets``)."""
+        return True
+
     def attach(self, model, tokenizer):
         """Context manager entered by ``generate`` for one call.  It may yield a callback
         ``on_tokens(token_ids [B, T], query_pos [B, T], rows [B])`` that the loop calls before
@@ -251,7 +256,8 @@ class Policy:
     def layer_budgets(self, num_layers: int) -> list[int | None]:
         if self.scorer is None or self.budget is None:
             return [None] * num_layers
-        return self.allocator.layer_budgets(self.budget, num_layers, self.sinks + self.recent)
+        budgets = self.allocator.layer_budgets(self.budget, num_layers, self.sinks + self.recent)
+        return [b if self.scorer.compresses_layer(i) else None for i, b in enumerate(budgets)]
 
     def needs_compression(self, cache: SieveCache, budgets: list[int | None]) -> bool:
         """Host-side: does any layer want to compress now?"""

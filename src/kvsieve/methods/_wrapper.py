@@ -34,3 +34,6 @@ class WrappingScorer(Scorer):
 
     def should_compress(self, layer, budget):
         return self.inner.should_compress(layer, budget)
+
+    def compresses_layer(self, layer_idx):
+        return self.inner.compresses_layer(layer_idx)

@@ -2,7 +2,7 @@
 
 Based on Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
 Compression" (arXiv:2406.11430): low key norm correlates with high attention, so the score is
-the negated norm of the post-RoPE key. Attention-free; no hyperparameters.
+the negated norm of the post-RoPE key. Attention-free.
 """
 
 from dataclasses import dataclass
@@ -14,10 +14,27 @@ from ..policy import Scorer, register
 @register("knorm")
 @dataclass
 class Knorm(Scorer):
-    summary = "negated L2 norm of each key (attention-free)"
+    """Parameters
+    ----------
+    skip_layers : int, default 2
+        The first ``skip_layers`` layers are never compressed and keep every token.  2 is the
+        authors' setting: their released ``l2_compress`` example passes ``skip_layers=[0, 1]``,
+        and LagKV (App. A.2, Eq. 14) skips the first two layers for its L2 variant "as suggested in
+        their work".  0 compresses every layer (kvpress's KnormPress).
+    """
+
+    summary = "negated L2 norm of each key (attention-free); first two layers uncompressed"
     slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3"
+    source = "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3; layers 0-1 skipped as in the authors' code"
     kv_fields = ("key_norm",)
+    skip_layers: int = 2
+
+    def __post_init__(self):
+        if self.skip_layers < 0:
+            raise ValueError(f"knorm: skip_layers must be >= 0, got {self.skip_layers}")
+
+    def compresses_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.skip_layers
 
     def score(self, layer, seen_tokens):
         return -kv_field(layer, "key_norm")  # [B, H_kv, cap], computed once per token as it is appended

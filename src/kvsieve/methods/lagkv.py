@@ -106,6 +106,9 @@ class LagKV(Scorer):
         """Prefill chunk that reproduces Sec. 3.4's chunked prefill with ``prefill_block``."""
         return math.gcd(self.sinks, self.lag)
 
+    def compresses_layer(self, layer_idx):
+        return layer_idx >= self.skip_layers
+
     def should_compress(self, layer, budget):
         """Host-side: can a partition have completed since this layer's last compression?"""
         if self.kept >= self.lag or (self.skip_layers and layer.layer_idx < self.skip_layers):
