@@ -161,6 +161,20 @@ def test_restart_skips_finished_rows(smollm, gsm_file, reference, tmp_path):
         run_grid(tiny_config(out, gsm_file, max_new_tokens=8), model, tok, progress=False)
 
 
+def test_resume_refuses_a_cell_whose_method_settings_changed(smollm, gsm_file, reference, tmp_path):
+    """Rows written under another default (here: tova's interval, as if a release changed it) are
+    not silently joined by rows under the new one; a finished cell is left alone."""
+    model, tok = smollm
+    out = tmp_path / "run"
+    out.mkdir()
+    older = [dict(r, settings={**r["settings"], "interval": 5}) if r["method"] == "tova" else r for r in reference]
+    older = [r for r in older if (r["id"], r["method"]) != ("1", "tova")]  # tova@32 still has a sample to run
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in older), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tova@32 interval: 5 before, 1 now.*delete those cells' rows"):
+        run_grid(tiny_config(out, gsm_file), model, tok, progress=False)
+    assert len(load_results(out)) == len(older)  # nothing written
+
+
 class Interrupt(Exception):
     pass
 

@@ -61,6 +61,7 @@ class Scorer:
     observes_last_only: ClassVar[bool] = False
     uses_budget: ClassVar[bool] = True  # False: the scorer's own select() decides how many tokens stay
     fits_budget: ClassVar[bool] = False  # uses_budget False but fit_budget() maps a budget to settings
+    fitted_fields: ClassVar[tuple[str, ...]] = ()  # the fields fit_budget() sets, per batch (LagKV: lag, ratio)
     default_sinks: ClassVar[int] = 0
     recent_doc: ClassVar[str] = "0"  # how default_recent depends on the budget, for `kvsieve methods`
     default_interval: ClassVar[int] = 1

@@ -67,6 +67,7 @@ class LagKV(Scorer):
     source = "arXiv:2504.04704 Sec. 2.2, 3.1 (S=16, L in {128,512,1024}, r in {1/2..1/8}), App. A.2"
     uses_budget = False
     fits_budget = True  # a budget is mapped to (L, r) by fit_budget
+    fitted_fields = ("lag", "ratio")
     default_sinks = 16
     sinks: int = 16
     lag: int = 128
