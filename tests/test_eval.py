@@ -145,6 +145,7 @@ def test_grid_rows(reference):
     assert row["settings"]["budget"] == 32 and row["settings"]["method"] == "tova"
     assert 0 < row["generated_tokens"] <= 16 and row["compression_events"] > 0
     assert row["final_kv_tokens"] <= (32 + 1) * row["kv_heads"] < rows[("0", "full", None)]["final_kv_tokens"]
+    assert row["final_kv_tokens_mean"] == row["final_kv_tokens"]  # tova: every layer holds the same budget
     assert row["reference"] == "7" and isinstance(row["correct"], bool)
 
 
@@ -302,6 +303,16 @@ def test_summary_numbers():
     assert t64.mean_generated_tokens == 69 and t64.max_generated_tokens == 78
     assert t128.kv_compression == pytest.approx(155 * 2 / 256) and full.kv_compression == pytest.approx(1.0)
     assert t128.peak_kv_mib == 2.0 and full.max_peak_kv_mib == pytest.approx(2.9)
+
+
+def test_compression_uses_the_mean_over_layers_when_rows_have_it():
+    """Knorm keeps every token in layers 0-1: its largest layer holds all 155 tokens, the mean over
+    4 layers (155, 155, 64, 64) is 109.5, and only the mean shows what it saves."""
+    row = {"id": "0", "method": "knorm", "budget": 64, "correct": True, "prompt_tokens": 100, "generated_tokens": 55,
+           "kv_heads": 2, "final_kv_tokens": 2 * 155, "final_kv_tokens_mean": 2 * 109.5, "peak_kv_bytes": 2**20}
+    older = {k: v for k, v in row.items() if k != "final_kv_tokens_mean"}
+    assert summarize([row])[0].kv_compression == pytest.approx(155 / 109.5)
+    assert summarize([older])[0].kv_compression == pytest.approx(1.0)  # rows from before: largest layer
 
 
 def test_retained_pairs_samples_with_full():

@@ -7,8 +7,9 @@ Definitions (every number is computed from the rows alone):
 * retained: the cell's accuracy over ``full``'s accuracy on the *same* sample ids;
 * KV compression: per sample, the KV tokens a full cache would hold at the end
   (``(prompt + generated) * kv_heads``) over the live KV tokens the method holds at the end
-  (largest layer), averaged over samples; ``full`` is 1x (the peak, usually right after
-  prefill, shows in the memory column instead);
+  (mean over layers, ``final_kv_tokens_mean``; rows written before that field existed use the
+  largest layer, which understates methods whose layers differ), averaged over samples;
+  ``full`` is 1x (the peak, usually right after prefill, shows in the memory column instead);
 * peak KV: allocated cache bytes at the peak (K, V and per-token metadata; a batch's bytes are
   shared equally by its rows), mean over samples;
 * tokens/s: generated tokens over decode time per sample (rows of a batch share the clock).
@@ -75,7 +76,7 @@ def _mean(values: list[float]) -> float:
 
 
 def _compression(row: dict[str, Any]) -> float | None:
-    kept = row.get("final_kv_tokens") or 0
+    kept = row.get("final_kv_tokens_mean") or row.get("final_kv_tokens") or 0
     if kept <= 0:
         return None
     return (row["prompt_tokens"] + row.get("generated_tokens", 0)) * row.get("kv_heads", 1) / kept

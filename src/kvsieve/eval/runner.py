@@ -70,11 +70,18 @@ def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv
             "settings": settings, "reference": sample.reference, "kv_heads": kv_heads}
 
 
+def _layer_mean(per_layer: list[int]) -> float:
+    """Live KV tokens averaged over layers: the cache a method holds when layers differ (Knorm's
+    uncompressed first layers, a pyramid allocator), where the largest layer overstates it."""
+    return round(sum(per_layer) / len(per_layer), 2) if per_layer else 0.0
+
+
 def _stat_fields(stat) -> dict[str, Any]:
     return {
         "prompt_tokens": stat.prompt_tokens, "generated_tokens": stat.generated_tokens,
         "finish_reason": stat.finish_reason, "peak_kv_tokens": max(stat.peak_kv_tokens, default=0),
-        "final_kv_tokens": max(stat.final_kv_tokens, default=0), "peak_kv_bytes": stat.peak_kv_bytes,
+        "final_kv_tokens": max(stat.final_kv_tokens, default=0), "final_kv_tokens_mean": _layer_mean(stat.final_kv_tokens),
+        "peak_kv_bytes": stat.peak_kv_bytes,
         "tokens_per_s": round(stat.tokens_per_s, 3), "prefill_s": round(stat.prefill_s, 4),
         "decode_s": round(stat.decode_s, 4), "compression_events": stat.compression_events,
     }
@@ -119,7 +126,7 @@ def _perplexity_row(model, tokenizer, config, cell, policy, sample: Sample, kv_h
             "prompt_tokens": score.prompt_tokens, "generated_tokens": 0, "scored_tokens": score.scored_tokens,
             "nll": score.nll, "perplexity": score.perplexity, "peak_kv_tokens": max(score.peak_kv_tokens, default=0),
             "final_kv_tokens": max(score.final_kv_tokens, default=0),
-            "peak_kv_bytes": score.peak_kv_bytes, "compression_events": score.compression_events,
+            "final_kv_tokens_mean": _layer_mean(score.final_kv_tokens), "peak_kv_bytes": score.peak_kv_bytes, "compression_events": score.compression_events,
             "tokens_per_s": round(score.scored_tokens / score.seconds, 3) if score.seconds else 0.0,
             "batch_size": 1, "text": "", "extracted": None, "correct": None}
 
