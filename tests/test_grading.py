@@ -64,6 +64,9 @@ def test_no_answer_is_extracted_as_none():
     ("\\boxed{18 \\text{ dollars}}", "18", True),  # units
     ("\\boxed{18 eggs}", "18", True),
     ("\\boxed{x = 18}", "18", True),
+    ("\\boxed{\\text{total} = 18 \\text{ eggs}}", "18", True),
+    ("\\boxed{L - 8}", "8", False),  # the candle's new length, not "how much shorter"
+    ("\\boxed{x = 2y + 8}", "8", False),
     ("\\boxed{\\frac{36}{2}}", "18", True),  # a fraction needs math-verify
     ("so 10 + 8 = 18\n#### 18", "18", True),  # GSM8K's own marker
     ("She pays 5 first and 20 in the end.", "20", True),  # the last number

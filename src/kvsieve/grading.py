@@ -129,8 +129,9 @@ def grade_gsm8k(text: str, reference: str) -> Grade:
     if answer is None:
         return Grade(None, False)
     number, ref = to_number(answer), to_number(reference)
-    if number is None and to_number(last_number(answer) or "") is not None and not re.search(r"\\frac|/", answer):
-        number = to_number(last_number(answer))  # "x = 18", "18 eggs per day"
+    equation = re.fullmatch(r"[^=]*=\s*([^=]+)", answer)  # "x = 18": the right-hand side
+    if number is None and equation and not re.search(r"\\frac|/", equation.group(1)):
+        number = to_number(equation.group(1))  # an expression such as "L - 8" stays unread: not 8
     if number is not None and ref is not None:
         return Grade(answer, number == ref)
     return Grade(answer, math_equal(answer, reference))
