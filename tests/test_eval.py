@@ -147,6 +147,7 @@ def test_grid_rows(reference):
     assert row["final_kv_tokens"] <= (32 + 1) * row["kv_heads"] < rows[("0", "full", None)]["final_kv_tokens"]
     assert row["final_kv_tokens_mean"] == row["final_kv_tokens"]  # tova: every layer holds the same budget
     assert row["reference"] == "7" and isinstance(row["correct"], bool)
+    assert row["grader"] == "gsm8k"  # what a later re-grade of the stored text needs
 
 
 def test_restart_skips_finished_rows(smollm, gsm_file, reference, tmp_path):

@@ -67,7 +67,7 @@ def _kv_heads(model) -> int:
 
 def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv_heads: int) -> dict[str, Any]:
     return {"id": sample.id, "dataset": config.dataset, "model": config.model, "method": cell[0], "budget": cell[1],
-            "settings": settings, "reference": sample.reference, "kv_heads": kv_heads}
+            "settings": settings, "reference": sample.reference, "grader": sample.grader, "kv_heads": kv_heads}
 
 
 def _layer_mean(per_layer: list[int]) -> float:
