@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 from ..data import Sample, load_dataset
 from ..grading import grade
 from .config import Cell, EvalConfig, split_steer
-from .store import ResultStore, check_manifest, load_results
+from .store import ResultStore, check_manifest
 
 RowCallback = Callable[[dict[str, Any]], None]
 
@@ -126,7 +126,8 @@ def _perplexity_row(model, tokenizer, config, cell, policy, sample: Sample, kv_h
             "prompt_tokens": score.prompt_tokens, "generated_tokens": 0, "scored_tokens": score.scored_tokens,
             "nll": score.nll, "perplexity": score.perplexity, "peak_kv_tokens": max(score.peak_kv_tokens, default=0),
             "final_kv_tokens": max(score.final_kv_tokens, default=0),
-            "final_kv_tokens_mean": _layer_mean(score.final_kv_tokens), "peak_kv_bytes": score.peak_kv_bytes, "compression_events": score.compression_events,
+            "final_kv_tokens_mean": _layer_mean(score.final_kv_tokens), "peak_kv_bytes": score.peak_kv_bytes,
+            "compression_events": score.compression_events,
             "tokens_per_s": round(score.scored_tokens / score.seconds, 3) if score.seconds else 0.0,
             "batch_size": 1, "text": "", "extracted": None, "correct": None}
 
@@ -136,27 +137,25 @@ def pending_work(config: EvalConfig, samples: list[Sample], done: set) -> list[t
     return [(cell, [s for s in samples if (s.id, cell[0], cell[1]) not in done]) for cell in config.cells()]
 
 
-def check_cell_settings(config: EvalConfig, rows: list[dict[str, Any]], work) -> None:
+def check_cell_settings(config: EvalConfig, cell_settings: dict[Cell, dict], work) -> None:
     """Refuse to add rows to a cell whose rows so far ran under other policy settings.
 
     ``run.json`` holds the settings the user passed; a method's *defaults* can change between
     versions of kvsieve (Knorm's ``skip_layers``), and resuming would then average two different
     methods under one label.  Every setting of the cell's policy now is compared with the first
-    existing row's ``settings``; the fields a self-sizing method fits per batch (``fitted_fields``)
-    are left out.  A field added since then counts as changed (its value was absent).
+    existing row's ``settings`` (``cell_settings``, as ``ResultStore`` read them); the fields a
+    self-sizing method fits per batch (``fitted_fields``) are left out.  A field added since then
+    counts as changed (its value was absent).
     """
-    first: dict[Cell, dict] = {}
-    for row in rows:
-        first.setdefault((row["method"], row["budget"]), row.get("settings") or {})
     changed = []
     for cell, pending in work:
-        if not pending or cell not in first:
+        if not pending or cell not in cell_settings:
             continue
         policy = make_cell_policy(config, cell)
         now = json.loads(json.dumps(policy.settings()))  # tuples as the rows store them
         fitted = policy.scorer.fitted_fields if policy.scorer is not None else ()
-        keys = [k for k in now if k not in fitted and first[cell].get(k) != now[k]]
-        changed += [f"{cell_label(cell)} {k}: {first[cell].get(k)!r} before, {now[k]!r} now" for k in keys]
+        keys = [k for k in now if k not in fitted and cell_settings[cell].get(k) != now[k]]
+        changed += [f"{cell_label(cell)} {k}: {cell_settings[cell].get(k)!r} before, {now[k]!r} now" for k in keys]
     if changed:
         raise ValueError(f"{config.out} has rows of cells whose method settings have changed since "
                          f"({'; '.join(changed)}); delete those cells' rows to rerun them under the new "
@@ -198,7 +197,7 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
         todo = sum(len(s) for _, s in work)
         if todo == 0:
             return store
-        check_cell_settings(config, load_results(config.out), work)
+        check_cell_settings(config, store.cell_settings, work)
         if model is None and not use_ray:
             from ..models import load_model
 

@@ -82,7 +82,12 @@ class ResultStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / filename
         _repair_tail(self.path)
-        self.done: set[Key] = {row_key(row) for row in load_results(self.directory)}
+        rows = load_results(self.directory)
+        self.done: set[Key] = {row_key(row) for row in rows}
+        # (method, budget) -> settings of the cell's first row (runner.check_cell_settings)
+        self.cell_settings: dict[tuple, dict] = {}
+        for row in rows:
+            self.cell_settings.setdefault((row["method"], row["budget"]), row.get("settings") or {})
         self._file = open(self.path, "a", encoding="utf-8")
 
     def append(self, row: dict[str, Any]) -> bool:

@@ -112,7 +112,7 @@ class LagKV(Scorer):
 
     def should_compress(self, layer, budget):
         """Host-side: can a partition have completed since this layer's last compression?"""
-        if self.kept >= self.lag or (self.skip_layers and layer.layer_idx < self.skip_layers):
+        if self.kept >= self.lag or not self.compresses_layer(layer.layer_idx):
             return False
         return self._due.due(layer, first=self.sinks + 2 * self.lag)
 
