@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kvsieve.eval import EvalConfig, ResultStore, load_results, run_grid, summarize, wilson_interval, write_report
 from kvsieve.eval.cli import register
 from kvsieve.eval.config import parse_list, parse_shard, split_settings
+from kvsieve.eval.regrade import regrade
 from kvsieve.eval.report import markdown_table
 from kvsieve.eval.store import check_manifest, row_key
 
@@ -117,6 +118,56 @@ def test_store_merges_shards_and_rejects_broken_lines(tmp_path):
     (tmp_path / "results.jsonl").write_text("garbage\n" + json.dumps({"id": "c", "method": "full", "budget": None}) + "\n")
     with pytest.raises(ValueError, match=r"results\.jsonl:1: not a JSON row"):
         load_results(tmp_path)
+
+
+def test_a_second_writer_of_the_same_file_fails_at_once(tmp_path):
+    with ResultStore(tmp_path):
+        with pytest.raises(ValueError, match="being written by another process"):
+            ResultStore(tmp_path)
+        ResultStore(tmp_path, "results.shard1of2.jsonl").close()  # another shard's file is free
+    ResultStore(tmp_path).close()  # closing released the lock
+
+
+# ---------------------------------------------------------------------------- regrade
+def stored_row(key, text, reference, extracted, correct, **extra):
+    return {"id": key, "method": "full", "budget": None, "reference": reference, "text": text,
+            "extracted": extracted, "correct": correct, **extra}
+
+
+def test_regrade_lists_changed_rows_and_rewrites_only_when_asked(tmp_path, gsm_file):
+    rows = [stored_row("0", "The candle is \\boxed{L - 8} long.", "8", "8", True, grader="gsm8k"),  # old grader's error
+            stored_row("1", "So \\boxed{18}.", "18", "18", True),  # written before rows named their grader
+            {"id": "2", "method": "full", "budget": None, "nll": 2.0}]  # a perplexity row: no text
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    check_manifest(tmp_path, {"dataset": "gsm8k", "data_path": gsm_file, "data_options": {}, "settings": {}})
+    before = path.read_text(encoding="utf-8")
+
+    found = regrade(tmp_path)  # row 1's kind comes from run.json's data set
+    assert (found.rows, found.graded) == (3, 2)
+    assert [(c.key, c.before, c.after) for c in found.changes] == [(("0", "full", None), ("8", True), ("L - 8", False))]
+    assert path.read_text(encoding="utf-8") == before and not found.backups
+
+    found = regrade(tmp_path, write=True)
+    assert found.backups[0].read_text(encoding="utf-8") == before
+    new = {r["id"]: r for r in load_results(tmp_path)}
+    assert (new["0"]["extracted"], new["0"]["correct"]) == ("L - 8", False)
+    assert new["1"]["grader"] == "gsm8k" and new["1"]["correct"] and new["2"] == rows[2]
+    assert not regrade(tmp_path).changes  # idempotent
+
+
+def test_regrade_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="no results files"):
+        regrade(tmp_path)
+    (tmp_path / "results.jsonl").write_text(json.dumps(stored_row("0", "\\boxed{1}", "1", "1", True)) + "\n")
+    with pytest.raises(ValueError, match="pass --grader"):
+        regrade(tmp_path)  # no grader field and no run.json
+    assert regrade(tmp_path, grader="gsm8k").graded == 1
+    with pytest.raises(ValueError, match="unknown grader 'nope'"):
+        regrade(tmp_path, grader="nope")
+    with ResultStore(tmp_path):
+        with pytest.raises(ValueError, match="being written by another process"):
+            regrade(tmp_path, write=True, grader="gsm8k")
 
 
 def test_manifest_refuses_other_settings(tmp_path):
@@ -403,6 +454,10 @@ def test_cli_report_and_usage_errors(tmp_path):
     result = runner.invoke(app, ["eval", "--model", "smollm2-135m", "--dataset", "gsm8k", "--methods", "tova",
                                  "--set", "tova.bogus=1", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "bogus" in result.output
+    result = runner.invoke(app, ["regrade", str(tmp_path), "--grader", "gsm8k"])
+    assert result.exit_code == 0 and "rows graded" in result.output, result.output
+    result = runner.invoke(app, ["regrade", str(tmp_path / "empty")])
+    assert result.exit_code == 2 and "no results files" in result.output
 
 
 # ---------------------------------------------------------------------------- steering (+steer labels)

@@ -1,4 +1,4 @@
-"""CLI commands of the evaluation harness: ``eval``, ``report`` and ``analyze trace``.
+"""CLI commands of the evaluation harness: ``eval``, ``report``, ``regrade`` and ``analyze trace``.
 
 ``register(app)`` adds them to a typer app (the ``kvsieve`` command).  ``trace`` joins an existing
 ``analyze`` group when the app has one and creates the group otherwise.  Without the main
@@ -126,6 +126,25 @@ def report_command(
     console.print("wrote " + ", ".join(str(p) for p in report.files))
 
 
+def regrade_command(
+    directory: Path = typer.Argument(..., help="Results directory written by `kvsieve eval`."),
+    write: bool = typer.Option(False, "--write", help="Rewrite the results files (a copy of each is kept "
+                               "beside it as .bak-regrade-<time>); without it only the changes are listed."),
+    grader: Optional[str] = typer.Option(None, help="Grader kind for rows that lack one (written before rows "
+                                         "recorded it); default: the kind of run.json's data set."),
+):
+    """Grade every stored answer again with the current graders and list the rows whose grade changed."""
+    from .regrade import regrade
+
+    found = _bad(regrade, directory, write=write, grader=grader)
+    for change in found.changes:
+        console.print(f"{change.key}: extracted {change.before[0]!r} -> {change.after[0]!r}, "
+                      f"correct {change.before[1]} -> {change.after[1]}")
+    console.print(f"{found.graded} of {found.rows} rows graded, {len(found.changes)} changed"
+                  + (f"; old files kept as {', '.join(str(p) for p in found.backups)}" if found.backups else "")
+                  + ("" if write or not found.changes else "; pass --write to store the new grades"))
+
+
 def trace_command(
     model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
     dataset: str = typer.Option("gsm8k", help="Data set of the sample (see `kvsieve eval --help`)."),
@@ -182,7 +201,8 @@ def _analyze_group(app: typer.Typer) -> typer.Typer:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``eval``, ``report`` and ``analyze trace`` to ``app``."""
+    """Add ``eval``, ``report``, ``regrade`` and ``analyze trace`` to ``app``."""
     app.command("eval")(eval_command)
     app.command("report")(report_command)
+    app.command("regrade")(regrade_command)
     _analyze_group(app).command("trace")(trace_command)

@@ -9,6 +9,8 @@ Layout of a results directory::
 A row is keyed by ``(id, method, budget)``.  Appends are ``write + flush + fsync`` of one whole
 line, so a killed run loses at most the line being written; that torn tail is cut off when the
 file is opened again.  Readers merge every results file and keep the first row of each key.
+A writer holds an exclusive lock on ``.<file>.lock`` beside its file, so a second eval (or
+``kvsieve regrade``) on the same file fails at once instead of interleaving rows.
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one writer per file is then up to the user
+    fcntl = None
 
 Key = tuple[str, str, "int | None"]
 MANIFEST = "run.json"
@@ -74,6 +82,29 @@ def load_results(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def _take_lock(path: Path):
+    """An open lock file held exclusively for ``path``; ValueError if another process holds it."""
+    handle = open(path.with_name(f".{path.name}.lock"), "a")
+    if fcntl is not None:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise ValueError(f"{path} is being written by another process (a kvsieve eval still running?); "
+                             "wait for it to finish or stop it, or use another --out / --shard") from None
+    return handle
+
+
+@contextmanager
+def writer_lock(path: Path) -> Iterator[None]:
+    """Hold the writer lock of results file ``path`` for the enclosed block."""
+    handle = _take_lock(path)
+    try:
+        yield
+    finally:
+        handle.close()  # closing releases the lock
+
+
 class ResultStore:
     """Appends rows to this process's results file and knows which keys are done in the directory."""
 
@@ -81,8 +112,13 @@ class ResultStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / filename
-        _repair_tail(self.path)
-        rows = load_results(self.directory)
+        self._lock = _take_lock(self.path)
+        try:
+            _repair_tail(self.path)
+            rows = load_results(self.directory)
+        except BaseException:
+            self._lock.close()
+            raise
         self.done: set[Key] = {row_key(row) for row in rows}
         # (method, budget) -> settings of the cell's first row (runner.check_cell_settings)
         self.cell_settings: dict[tuple, dict] = {}
@@ -103,6 +139,7 @@ class ResultStore:
 
     def close(self) -> None:
         self._file.close()
+        self._lock.close()
 
     def __enter__(self) -> "ResultStore":
         return self
