@@ -16,7 +16,7 @@ from kvsieve.eval import EvalConfig, ResultStore, load_results, run_grid, summar
 from kvsieve.eval.cli import register
 from kvsieve.eval.config import parse_list, parse_shard, split_settings
 from kvsieve.eval.regrade import regrade
-from kvsieve.eval.report import markdown_table
+from kvsieve.eval.report import markdown_table, mcnemar_p
 from kvsieve.eval.store import check_manifest, row_key
 
 GSM_ROWS = [
@@ -355,6 +355,16 @@ def test_summary_numbers():
     assert t64.mean_generated_tokens == 69 and t64.max_generated_tokens == 78
     assert t128.kv_compression == pytest.approx(155 * 2 / 256) and full.kv_compression == pytest.approx(1.0)
     assert t128.peak_kv_mib == 2.0 and full.max_peak_kv_mib == pytest.approx(2.9)
+    # paired with full: tova@64 lost samples 6 and 7 and gained none; p = 2 * (1/2)^2
+    assert (t64.lost, t64.gained, t64.paired_p) == (2, 0, 0.5) and (t128.lost, t128.gained, t128.paired_p) == (0, 0, 1.0)
+    assert full.lost is None and "-2/+0 (0.5)" in markdown_table([full, t64])
+
+
+def test_mcnemar_exact_p_values():
+    assert mcnemar_p(5, 0) == pytest.approx(2 / 32)
+    assert mcnemar_p(3, 1) == pytest.approx(2 * (1 + 4) / 16)  # = 0.625
+    assert mcnemar_p(1, 3) == mcnemar_p(3, 1) and mcnemar_p(2, 2) == 1.0 and mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(15, 0) == pytest.approx(2 / 2**15)  # 15 of 15 discordant one way: p ~ 6e-5
 
 
 def test_compression_uses_the_mean_over_layers_when_rows_have_it():

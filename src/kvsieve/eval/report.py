@@ -5,6 +5,10 @@ Definitions (every number is computed from the rows alone):
 * accuracy: share of correct samples, with a 95% Wilson score interval (Wilson 1927), which
   stays inside [0, 1] and is sensible for small n and accuracies near 0 or 1;
 * retained: the cell's accuracy over ``full``'s accuracy on the *same* sample ids;
+* vs full: on those same ids, ``-lost/+gained``, the samples ``full`` got right and the cell
+  wrong and the reverse, with the exact two-sided McNemar p-value (McNemar 1947; under "no
+  difference" the discordant samples split as Binomial(lost + gained, 1/2)): a small p says the
+  cell's accuracy differs from ``full``'s beyond chance on these samples;
 * KV compression: per sample, the KV tokens a full cache would hold at the end
   (``(prompt + generated) * kv_heads``) over the live KV tokens the method holds at the end
   (mean over layers, ``final_kv_tokens_mean``; rows written before that field existed use the
@@ -45,6 +49,15 @@ def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def mcnemar_p(lost: int, gained: int) -> float:
+    """Exact two-sided McNemar p-value from the discordant pair counts: 2 P(X <= min), X ~ Bin(n, 1/2)."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
 @dataclass
 class CellSummary:
     method: str
@@ -65,6 +78,9 @@ class CellSummary:
     peak_live_tokens_per_head: float | None = None
     compression_events: float | None = None
     compressed_share: float | None = None
+    lost: int | None = None  # paired with full: full right, this cell wrong
+    gained: int | None = None  # full wrong, this cell right
+    paired_p: float | None = None  # exact McNemar p-value of lost vs gained
 
     @property
     def label(self) -> str:
@@ -100,9 +116,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         correct = sum(bool(r["correct"]) for r in graded)
         accuracy = correct / len(graded) if graded else None
         low, high = wilson_interval(correct, len(graded)) if graded else (None, None)
-        paired = [full[r["id"]] for r in graded if r["id"] in full and full[r["id"]].get("correct") is not None]
-        full_acc = sum(bool(r["correct"]) for r in paired) / len(paired) if paired else None
+        pairs = [(bool(full[r["id"]]["correct"]), bool(r["correct"])) for r in graded
+                 if r["id"] in full and full[r["id"]].get("correct") is not None]
+        full_acc = sum(f for f, _ in pairs) / len(pairs) if pairs else None
         retained = accuracy / full_acc if accuracy is not None and full_acc else None
+        lost = gained = None
+        if pairs and key != ("full", None):
+            lost, gained = sum(f and not c for f, c in pairs), sum(c and not f for f, c in pairs)
         ratios = [c for c in map(_compression, group) if c is not None]
         scored = [r for r in group if r.get("nll") is not None]
         ppl = math.exp(sum(r["nll"] for r in scored) / max(sum(r["scored_tokens"] for r in scored), 1)) if scored else None
@@ -117,7 +137,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             peak_kv_mib=_mean(mib), max_peak_kv_mib=max(mib), tokens_per_s=_mean([r.get("tokens_per_s", 0.0) for r in group]),
             perplexity=ppl, peak_live_tokens_per_head=_mean(peaks) if peaks else None,
             compression_events=_mean(events) if events else None,
-            compressed_share=sum(e > 0 for e in events) / len(events) if events else None))
+            compressed_share=sum(e > 0 for e in events) / len(events) if events else None,
+            lost=lost, gained=gained, paired_p=None if lost is None else mcnemar_p(lost, gained)))
     return out
 
 
@@ -128,7 +149,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return format(value, spec)
 
 
-COLUMNS = ("method", "budget", "n", "accuracy", "95% CI", "retained", "gen mean", "gen max", "KV compr.",
+COLUMNS = ("method", "budget", "n", "accuracy", "95% CI", "retained", "vs full (p)", "gen mean", "gen max", "KV compr.",
            "peak KV MiB", "peak live/head", "events", "tok/s")
 
 
@@ -136,14 +157,15 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
     """Column names and formatted cells, shared by markdown and the terminal table
     (perplexity replaces accuracy for the ``text`` data set)."""
     has_ppl = any(s.perplexity is not None for s in summaries)
-    columns = COLUMNS if not has_ppl else ("method", "budget", "n", "perplexity", *COLUMNS[6:])
+    columns = COLUMNS if not has_ppl else ("method", "budget", "n", "perplexity", *COLUMNS[7:])
     rows = []
     for s in summaries:
         if has_ppl:
             quality: tuple[str, ...] = (_fmt(s.perplexity, ".3f"),)
         else:
             ci = f"{s.ci_low:.2f}-{s.ci_high:.2f}" if s.ci_low is not None else "-"
-            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"))
+            versus = "-" if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
+            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"), versus)
         compression = _fmt(s.kv_compression, ".2f") + ("x" if s.kv_compression else "")
         if s.compression_events is None:
             events = "-"
