@@ -250,6 +250,22 @@ def test_stop_conditions_and_streaming_callback(smollm):
     assert word not in stopped.texts[0]
 
 
+def test_each_row_is_handed_over_as_soon_as_it_ends(smollm):
+    """on_finish gets a row that stops at EOS while its batch mate is still decoding, with the
+    same text and statistics the result reports at the end."""
+    model, tok = smollm
+    calls = []
+    result = generate(model, tok, ["Count from 1 to 100, separated by commas.", "Say hello."], None,
+                      GenerateConfig(max_new_tokens=64),
+                      on_finish=lambda row, text, stat, settings: calls.append((row, text, stat.generated_tokens, settings)))
+    order = [c[0] for c in calls]
+    assert sorted(order) == [0, 1]
+    first, second = (result.stats[r] for r in order)
+    assert first.finish_reason == "eos" and first.generated_tokens < second.generated_tokens  # it ended first
+    assert [(c[1], c[2]) for c in calls] == [(result.texts[r], result.stats[r].generated_tokens) for r in order]
+    assert all(c[3] == result.settings for c in calls)
+
+
 def test_unsupported_model_is_a_clear_error():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -87,6 +87,10 @@ class RowStats:
     compression_events: int = 0
 
 
+# on_finish(row, text, stats, settings): one row's final text and statistics, as it ends
+FinishCallback = Callable[[int, str, RowStats, dict], None]
+
+
 @dataclass
 class GenerationResult:
     texts: list[str]
@@ -165,6 +169,13 @@ class _Run:
         eos = {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))}
         self.eos_ids = set() if config.ignore_eos else {t for t in eos if t is not None}
 
+    def text(self, row: int) -> str:
+        """Row ``row``'s generated text: without a final EOS token, cut at the first stop string."""
+        seq = self.tokens[row]
+        if self.stats[row].finish_reason == "eos":
+            seq = seq[:-1]
+        return _cut_at_stop(self.tokenizer.decode(seq, skip_special_tokens=True), self.config.stop_strings)
+
     def take(self, new_tokens: list[list[int]]) -> list[int]:
         """Append host copies of new tokens; return cache rows that finished."""
         finished = []
@@ -214,11 +225,15 @@ def generate(
     config: GenerateConfig | None = None,
     on_token: Callable[[int, list[int]], None] | None = None,
     steering=None,
+    on_finish: "FinishCallback | None" = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts with a compressed KV cache.
 
     ``policy`` defaults to no eviction.  ``on_token(row, new_token_ids)`` streams tokens as
     they are read back (every ``check_every`` steps, every step when a callback is given).
+    ``on_finish(row, text, stats, settings)`` is called once per row as soon as the row ends
+    (EOS, a stop string or the token limit), with its final text and statistics, so a caller
+    can store it before the rest of the batch is done.
     ``steering`` (optional, ``kvsieve.steering.Steering``) adds SkipKV's adaptive steering vector;
     ``None`` leaves the model untouched.
     """
@@ -237,6 +252,11 @@ def generate(
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
     run = _Run(tokenizer, model, encoded, config, on_token)
+    settings = policy.settings()
+    if steering is not None:
+        settings["steering"] = steering.settings()
+    if is_random(model):
+        settings["weights"] = RANDOM_NOTE
     num_layers = model.config.num_hidden_layers
     budgets = policy.layer_budgets(num_layers)
     scorer = policy.scorer
@@ -270,7 +290,7 @@ def generate(
         cache.seen_tokens = torch.tensor([len(ids) for ids in encoded], device=device)
         drop_dead(cache, headroom=policy.interval if scorer else config.grow_chunk,
                   past_hint=scorer is not None and not policy.compress_prefill)
-        tracker = _Tracker(run, cache)
+        tracker = _Tracker(run, cache, on_finish, settings)
         if scorer is not None and policy.compress_prefill:
             tracker.record()
             if compress(cache, policy, budgets):
@@ -289,13 +309,7 @@ def generate(
         hooks.close()
         model.set_attn_implementation(previous_attn)
 
-    texts = [tokenizer.decode(_strip_stop(run, row), skip_special_tokens=True) for row in range(len(encoded))]
-    texts = [_cut_at_stop(t, config.stop_strings) for t in texts]
-    settings = policy.settings()
-    if steering is not None:
-        settings["steering"] = steering.settings()
-    if is_random(model):
-        settings["weights"] = RANDOM_NOTE
+    texts = [run.text(row) for row in range(len(encoded))]
     return GenerationResult(texts=texts, token_ids=run.tokens, stats=run.stats, settings=settings,
                             kv_bytes_trace=tracker.trace)
 
@@ -303,8 +317,10 @@ def generate(
 class _Tracker:
     """Peak live tokens and allocated bytes, read at the moments they can peak."""
 
-    def __init__(self, run: _Run, cache: SieveCache):
+    def __init__(self, run: _Run, cache: SieveCache, on_finish: "FinishCallback | None" = None,
+                 settings: dict | None = None):
         self.run, self.cache = run, cache
+        self.on_finish, self.settings = on_finish, settings
         n_layers = len(cache.layers)
         self.peak_tokens = torch.zeros(len(run.stats), n_layers, dtype=torch.long, device=cache.seen_tokens.device)
         self.bytes_seen = 0
@@ -345,6 +361,10 @@ class _Tracker:
             stat.generated_tokens = len(self.run.tokens[self.run.active[cache_row]])
             stat.decode_s = now - decode_start
             stat.tokens_per_s = stat.generated_tokens / stat.decode_s if stat.decode_s > 0 else 0.0
+        if self.on_finish is not None:
+            for cache_row in cache_rows:
+                row = self.run.active[cache_row]
+                self.on_finish(row, self.run.text(row), self.run.stats[row], self.settings)
 
 
 def _decode(model, cache, policy, budgets, config, run, tracker, next_token, observer, generator):
@@ -407,13 +427,6 @@ def _progress(config: GenerateConfig):
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _strip_stop(run: _Run, row: int) -> list[int]:
-    seq = run.tokens[row]
-    if run.stats[row].finish_reason == "eos":
-        return seq[:-1]
-    return seq
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:

@@ -2,7 +2,8 @@
 
 ``run_grid(config)`` loads the data set, keeps this shard's samples, and for each cell (``full``
 first) decodes the samples not yet in the results directory in batches of ``batch_size``,
-grades them and appends one row each.  Restarting the same command resumes where it stopped.
+and grades and appends each sample's row as soon as that sample ends (a sample that stops early
+is stored while its batch goes on).  Restarting the same command resumes where it stopped.
 ``run_batch`` is the unit of work shared with the Ray backend.
 """
 
@@ -88,8 +89,11 @@ def _stat_fields(stat) -> dict[str, Any]:
 
 
 def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sample],
-              steering=None) -> list[dict[str, Any]]:
+              steering=None, on_row: RowCallback | None = None) -> list[dict[str, Any]]:
     """Decode (or score) ``samples`` under ``cell``'s policy and return one graded row each.
+
+    ``on_row(row)`` gets each row as soon as its sample is done (a sample that stops early is
+    not held back until the whole batch has decoded), so the caller can store it at once.
 
     A steered cell (``<method>+steer``) decodes with ``steering`` (``make_steering``; built from
     ``config.steering`` when not given); other cells never steer."""
@@ -100,22 +104,32 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
         if steered:
             raise ValueError(f"{cell[0]}: steering applies to generation, not to perplexity scoring; "
                              f"drop the +steer methods for data set {config.dataset!r}")
-        return [_perplexity_row(model, tokenizer, config, cell, policy, s, kv_heads) for s in samples]
+        rows = []
+        for sample in samples:
+            rows.append(_perplexity_row(model, tokenizer, config, cell, policy, sample, kv_heads))
+            if on_row is not None:
+                on_row(rows[-1])
+        return rows
     from ..generate import GenerateConfig, generate
 
     if steered and steering is None:
         steering = make_steering(config, model)
     gen_config = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                 seed=config.seed, prefill_chunk=config.prefill_chunk)
-    result = generate(model, tokenizer, [s.messages for s in samples], policy, gen_config,
-                      steering=steering if steered else None)
-    rows = []
-    for sample, text, stat in zip(samples, result.texts, result.stats):
+    rows: dict[int, dict[str, Any]] = {}
+
+    def finished(index: int, text: str, stat, settings: dict) -> None:
+        sample = samples[index]
         graded = grade(sample.grader, text, sample.reference)
-        rows.append({**_base_row(config, cell, sample, result.settings, kv_heads), **_stat_fields(stat),
-                     "batch_size": len(samples), "text": text, "extracted": graded.extracted,
-                     "correct": graded.correct})
-    return rows
+        rows[index] = {**_base_row(config, cell, sample, settings, kv_heads), **_stat_fields(stat),
+                       "batch_size": len(samples), "text": text, "extracted": graded.extracted,
+                       "correct": graded.correct}
+        if on_row is not None:
+            on_row(rows[index])
+
+    generate(model, tokenizer, [s.messages for s in samples], policy, gen_config,
+             steering=steering if steered else None, on_finish=finished)
+    return [rows[i] for i in range(len(samples))]
 
 
 def _perplexity_row(model, tokenizer, config, cell, policy, sample: Sample, kv_heads: int) -> dict[str, Any]:
@@ -226,6 +240,7 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
                 run_on_ray(config, work, write, address=ray_address, init=ray_init)
             else:
                 for cell, pending in work:
-                    for batch in batches(pending, config.batch_size):
-                        write(cell, run_batch(model, tokenizer, config, cell, batch, steering))
+                    for batch in batches(pending, config.batch_size):  # rows stored as each sample ends
+                        run_batch(model, tokenizer, config, cell, batch, steering,
+                                  on_row=lambda row, cell=cell: write(cell, [row]))
     return store
