@@ -112,3 +112,43 @@ def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):
     plain, grouped = result["rows"]
     assert grouped["padding_tokens"] < plain["padding_tokens"]
     assert result["identical_peaks"] == 4 and result["prompts"] == 4
+
+
+# ---------------------------------------------------------------------------- memory / throughput / long
+def test_scale_benchmarks_take_issue_7s_defaults_and_the_options_given():
+    from kvsieve.bench.scale import parse_args
+
+    long_args = parse_args([], "long")
+    assert (long_args.methods, long_args.budget, long_args.batch, long_args.lengths) == (["tova", "lazy"], 512, 8, [4096, 8192])
+    assert parse_args(["--methods", "h2o", "--batch", "2"], "long").methods == ["h2o"]
+    memory_args = parse_args(["memory", "--budget", "64"])  # the name as the first word
+    assert (memory_args.name, memory_args.methods, memory_args.budget) == ("memory", ["tova", "streaming"], 64)
+
+
+def test_memory_benchmark_runs_the_batch_asked_for(smollm):
+    from kvsieve.bench.scale import memory, parse_args
+
+    model, tok = smollm
+    result = memory(model, tok, parse_args(["--methods", "streaming", "--budget", "8", "--new-tokens", "4", "--batch", "2"], "memory"))
+    assert [(r["method"], r["batch"]) for r in result["rows"]] == [("full", 2), ("streaming", 2)]
+
+
+def test_throughput_reports_no_ratio_when_full_does_not_fit(smollm):
+    """A limit that holds a bounded row but not a full one: the bounded row is measured, and no
+    ratio is made against another method standing in for full."""
+    from kvsieve.bench.scale import parse_args, throughput
+    from kvsieve.memory import GB, planned_kv_bytes
+
+    model, tok = smollm
+    prompt_len = len(tok.apply_chat_template([{"role": "user", "content": "x" * 10}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False)) + 40
+    full_row = planned_kv_bytes(model, make_policy("full"), 1, prompt_len, 64)
+    tova_row = planned_kv_bytes(model, make_policy("tova", budget=16), 1, prompt_len, 64)
+    assert tova_row < full_row
+    limit = (tova_row + full_row) / 2 / GB
+    args = parse_args(["--methods", "tova", "--budget", "16", "--new-tokens", "64", "--max-batch", "1",
+                       "--kv-memory-gb", str(limit)], "throughput")
+    rows = throughput(model, tok, args)["rows"]
+    assert [r["method"] for r in rows] == ["tova"] and rows[0]["throughput_vs_full"] is None
+    with pytest.raises(ValueError, match="raise --kv-memory-gb"):
+        throughput(model, tok, parse_args(["--methods", "tova", "--kv-memory-gb", "1e-9"], "throughput"))

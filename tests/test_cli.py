@@ -26,6 +26,17 @@ def test_unknown_method_lists_the_registered_ones():
     assert "unknown method 'nope'" in result.output and "tova" in result.output
 
 
+def test_bench_help_lists_the_benchmarks():
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0 and all(name in result.output for name in ("overhead", "throughput", "long"))
+
+
+def test_generate_refuses_a_batch_over_the_kv_memory_limit(smollm):
+    result = runner.invoke(app, ["generate", "--kv-memory-gb", "1e-6", "--max-new-tokens", "4", "hi"],
+                           env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "exceeds kv_memory_gb" in result.output and "--kv-memory-gb" in result.output
+
+
 def test_budget_below_protected_window_names_both_values():
     result = runner.invoke(app, ["generate", "--method", "streaming", "--budget", "3", "hi"], env={"COLUMNS": "250"})
     assert result.exit_code != 0

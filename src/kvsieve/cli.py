@@ -88,6 +88,9 @@ def generate(
         None, help="Prompt tokens per prefill forward pass (default: the method's block size, else 512)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
+    kv_memory_gb: Optional[float] = typer.Option(
+        None, help="Refuse, before decoding, a batch whose planned KV cache exceeds this many GiB "
+                   "(the error names the largest batch that fits)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
     steering_file: Optional[str] = typer.Option(
         None, "--steering", metavar="FILE",
@@ -98,6 +101,7 @@ def generate(
 ):
     """Generate with a compressed KV cache and print the text with its stats."""
     from .generate import GenerateConfig, generate as run_generate
+    from .memory import KVMemoryError
 
     policy = _policy(method, budget, allocator, sinks, recent, interval, _pairs(set_, "--set"))
     steering = _steering(steering_file, _pairs(steering_set, "--steering-set"))
@@ -105,7 +109,8 @@ def generate(
         prefill_chunk = getattr(policy.scorer, "prefill_chunk", None) or 512
     try:
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop_strings=tuple(stop), prefill_chunk=prefill_chunk, progress=not as_json)
+                                seed=seed, stop_strings=tuple(stop), prefill_chunk=prefill_chunk, progress=not as_json,
+                                kv_memory_gb=kv_memory_gb)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     if batch_size < 1:
@@ -121,7 +126,10 @@ def generate(
     label = policy.name + (" +steering" if steering is not None else "")
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
-        result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
+        try:
+            result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
+        except KVMemoryError as err:
+            raise typer.BadParameter(str(err), param_hint="--kv-memory-gb") from None
         for prompt, text, stat in zip(batch, result.texts, result.stats):
             if as_json:
                 print(json.dumps({
@@ -184,7 +192,12 @@ def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, over
     from importlib import import_module
 
     from .bench import BENCHMARKS
+    from .bench import __doc__ as overview
 
+    if name in ("--help", "-h", "help"):
+        console.print("usage: kvsieve bench NAME [OPTIONS]   (kvsieve bench NAME --help: its options)\n")
+        console.print(overview.split("\n\n", 1)[1].strip(), markup=False)
+        return
     if name not in BENCHMARKS:
         raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     if name in ("memory", "throughput", "long"):

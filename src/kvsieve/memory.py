@@ -21,7 +21,7 @@ import torch
 
 from .policy import Policy
 
-GB = 1024**3
+GB = 1024**3  # kv_memory_gb counts GiB
 
 
 class KVMemoryError(ValueError):
@@ -68,7 +68,7 @@ def check_fits(model, policy: Policy, batch: int, prompt_len: int, max_new_token
         return
     fits = max_batch_size(model, policy, prompt_len, max_new_tokens, kv_memory_gb)
     raise KVMemoryError(
-        f"planned peak KV cache {planned / GB:.3f} GB for {batch} rows ({policy.name}, longest prompt "
+        f"planned peak KV cache {planned / GB:.3f} GiB for {batch} rows ({policy.name}, longest prompt "
         f"{prompt_len}, {max_new_tokens} new tokens) exceeds kv_memory_gb={kv_memory_gb}; "
         + (f"use a batch of at most {fits}" if fits else "not even one row fits")
         + ", a smaller budget, fewer new tokens, or a larger limit"

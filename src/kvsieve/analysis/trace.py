@@ -14,11 +14,10 @@ prompt in the ``generate`` call, not cache rows: ``generate`` drops finished row
 mapping through the ``rows`` argument of the per-forward callback that ``attach`` yields, so a
 record is attributed to the prompt it was taken from however many rows left before it was read.
 
-Reads are lazy (at the next call from the engine), so a prompt that leaves the batch right
-after a compression can take its last unread records with it.  ``TracingScorer.before_select_rows``
-reads everything due and is meant to be called by ``generate`` just before ``cache.select_rows``;
-until the engine calls it, such records are counted in ``Trace.lost`` (at most one layer's kv
-heads per prompt that leaves), never attributed to another prompt.
+Reads are lazy (at the next call from the engine).  ``generate`` calls
+``TracingScorer.before_select_rows`` just before ``cache.select_rows``, which reads everything
+due, so a prompt leaving the batch right after a compression keeps its last records; a record
+that still cannot be read is counted in ``Trace.lost``, never attributed to another prompt.
 
 Record layout (``Trace``)::
 

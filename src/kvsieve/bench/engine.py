@@ -16,7 +16,7 @@ from .common import add_model_args, load_for, machine, profiled, timed_generate,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="kvsieve bench engine", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--methods", default="full,tova,streaming")
     ap.add_argument("--budget", type=int, default=128)

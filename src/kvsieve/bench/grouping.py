@@ -73,7 +73,7 @@ def measure(model, tok, args) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="kvsieve bench grouping", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--method", default="skipkv")
     ap.add_argument("--budget", type=int, default=96)

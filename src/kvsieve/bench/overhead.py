@@ -212,7 +212,7 @@ def _sync(model):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="kvsieve bench overhead", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--methods", default=",".join([*(m for m in method_names() if m != "full"), *PAPER_WRAPPED]))
     ap.add_argument("--lengths", default="512,2048")

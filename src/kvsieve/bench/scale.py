@@ -3,7 +3,10 @@ and long generation. Each figure is a ratio to ``full`` measured in the same run
 
     kvsieve bench memory     --new-tokens 8192 --budget 256 --methods tova,lazy,streaming
     kvsieve bench throughput --kv-memory-gb 0.25 --new-tokens 512 --budget 128 --methods tova,streaming
-    kvsieve bench long       --lengths 4096,8192 --budget 512 --methods tova,lazy
+    kvsieve bench long       --lengths 4096,8192 --budget 512 --methods tova,lazy --batch 8
+
+``--kv-memory-gb`` is in GiB (2**30 bytes).  ``long`` defaults to the comparison of issue 7
+(full vs tova and lazy at budget 512); the others to tova and streaming at budget 256.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from .common import add_model_args, load_for, machine, plot, profiled, timed_gen
 
 
 def memory(model, tok, args) -> dict:
-    """Peak allocated KV bytes as one row generates ``new_tokens``: full grows, bounded stays flat."""
-    rows = [timed_generate(model, tok, m, args.budget, 1, args.new_tokens) for m in ["full", *args.methods]]
+    """Peak allocated KV bytes as ``--batch`` rows generate ``new_tokens``: full grows, bounded stays flat."""
+    rows = [timed_generate(model, tok, m, args.budget, args.batch, args.new_tokens) for m in ["full", *args.methods]]
     full = rows[0]
     print(f"{'method':12} {'peak KV bytes':>15} {'x full':>7} {'bytes at half way':>18} {'at the end':>12}")
     for r in rows:
@@ -48,20 +51,30 @@ def throughput(model, tok, args) -> dict:
         policy = make_policy(method, budget=None if method == "full" else args.budget)
         batch = min(args.max_batch, max_batch_size(model, policy, prompt_len, args.new_tokens, args.kv_memory_gb))
         if batch == 0:
-            print(f"{method}: not even one row fits {args.kv_memory_gb} GB")
+            print(f"{method}: not even one row fits {args.kv_memory_gb} GiB")
             continue
         row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens, kv_memory_gb=args.kv_memory_gb)
+        row["total_tokens_per_s"] = row["generated_tokens"] / row["wall_s"]  # prefill included
         rows.append(row)
-        print(f"{method:12} max batch {batch:4d}  {row['decode_tokens_per_s']:8.1f} tok/s  "
-              f"peak KV {row['peak_kv_bytes'] / 2**30:.3f} GB", flush=True)
-    full = rows[0]
+        print(f"{method:12} max batch {batch:4d}  {row['decode_tokens_per_s']:8.1f} tok/s decoding, "
+              f"{row['total_tokens_per_s']:8.1f} with prefill  peak KV {row['peak_kv_bytes'] / 2**30:.3f} GiB", flush=True)
+    if not rows:
+        raise ValueError(f"no method fits one row in {args.kv_memory_gb} GiB; raise --kv-memory-gb")
+    full = next((r for r in rows if r["method"] == "full"), None)
     for r in rows:
+        if full is None:  # no ratio without the reference (never against another method)
+            r["throughput_vs_full"] = None
+            continue
         r["throughput_vs_full"] = r["decode_tokens_per_s"] / full["decode_tokens_per_s"]
-        print(f"{r['method']:12} {r['throughput_vs_full']:.2f}x full's max-batch throughput")
+        r["total_vs_full"] = r["total_tokens_per_s"] / full["total_tokens_per_s"]
+        print(f"{r['method']:12} {r['throughput_vs_full']:.2f}x full's max-batch decode throughput, "
+              f"{r['total_vs_full']:.2f}x with prefill")
+    if full is None:
+        print(f"full: no row fits {args.kv_memory_gb} GiB, so there is no ratio to report")
 
     def draw(ax):
         ax.bar([r["method"] for r in rows], [r["decode_tokens_per_s"] for r in rows])
-        ax.set(ylabel="total tokens/s at the largest batch", title=f"KV limit {args.kv_memory_gb} GB")
+        ax.set(ylabel="decode tokens/s at the largest batch", title=f"KV limit {args.kv_memory_gb} GiB")
 
     return {"rows": rows, "draw": draw}
 
@@ -90,12 +103,17 @@ def long(model, tok, args) -> dict:
 
 
 RUNS = {"memory": memory, "throughput": throughput, "long": long}
+DEFAULTS = {"long": {"methods": "tova,lazy", "budget": 512, "batch": 8}}  # issue 7's long-generation comparison
 
 
-def main(argv=None, name: str | None = None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    if name is None:
-        ap.add_argument("name", choices=sorted(RUNS))
+def parse_args(argv=None, name: str | None = None) -> argparse.Namespace:
+    """Options of benchmark ``name`` (read from argv's first word when None), with its defaults."""
+    if name is None:  # python -m kvsieve.bench.scale NAME ...
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("name", choices=sorted(RUNS))
+        known, argv = pre.parse_known_args(argv)
+        name = known.name
+    ap = argparse.ArgumentParser(prog=f"kvsieve bench {name}", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--methods", default="tova,streaming", type=lambda s: [m for m in s.split(",") if m])
     ap.add_argument("--budget", type=int, default=256)
@@ -105,14 +123,19 @@ def main(argv=None, name: str | None = None):
     ap.add_argument("--kv-memory-gb", type=float, default=0.25)
     ap.add_argument("--max-batch", type=int, default=64, help="cap on the admitted batch (CPU time)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    name = name or args.name
+    ap.set_defaults(name=name, **DEFAULTS.get(name, {}))
+    return ap.parse_args(argv)
+
+
+def main(argv=None, name: str | None = None):
+    args = parse_args(argv, name)
+    name = args.name
     model, tok = load_for(args)
     with profiled(args.profile):
         result = RUNS[name](model, tok, args)
     out = write(args.out or f"benchmarks/results/{name}.json",
                 {"benchmark": name, "model": args.model, "machine": machine(model),
-                 "settings": {k: v for k, v in vars(args).items() if k != "name"}, "rows": result["rows"]})
+                 "settings": vars(args), "rows": result["rows"]})
     plot(out, result["draw"])
 
 

@@ -121,7 +121,8 @@ def read_hub(name: str, config: str | None, split: str) -> Iterator[Record]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"loading {name} from the hub needs `pip install datasets`") from None
+        raise DataError(f"loading {name} from the hub needs the datasets package: "
+                        "pip install 'kvsieve[hub]' (or datasets)") from None
     try:
         rows = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # network, auth (gated sets), missing split: all mean "not from the hub"
