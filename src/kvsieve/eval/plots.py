@@ -70,23 +70,31 @@ def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
 
 
 def kv_memory_vs_length(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Left: each sample's own peak live KV tokens per kv head against its generated length (full
+    grows with it, a bounded cache stays flat).  Right: the allocated cache bytes per sample (a
+    batch's allocation shared by its rows, so samples of one batch share a value)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, (tokens_ax, bytes_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["method"], row["budget"]), []).append(row)
     for i, key in enumerate(sorted(groups, key=cell_order)):
-        group = sorted(groups[key], key=lambda r: r["prompt_tokens"] + r.get("generated_tokens", 0))
-        x = [r["prompt_tokens"] + r.get("generated_tokens", 0) for r in group]
-        y = [r.get("peak_kv_bytes", 0) / 2**20 for r in group]
+        group = sorted(groups[key], key=lambda r: r.get("generated_tokens", 0))
+        x = [r.get("generated_tokens", 0) for r in group]
         label = key[0] if key[1] is None else f"{key[0]}@{key[1]}"
         style = dict(color="black", marker="s") if key[0] == "full" else _series_style(plt, i)
-        ax.plot(x, y, linestyle="-" if key[0] == "full" else "none", alpha=0.7, markersize=4, label=label, **style)
-    ax.set_xlabel("sequence length (prompt + generated tokens)")
-    ax.set_ylabel("peak KV cache (MiB allocated per sample)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2 if len(groups) > 12 else 1, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    ax.set_title("peak KV memory vs length")
+        line = dict(linestyle="-" if key[0] == "full" else "none", alpha=0.7, markersize=4, **style)
+        tokens_ax.plot(x, [r.get("peak_kv_tokens", 0) / r.get("kv_heads", 1) for r in group], label=label, **line)
+        bytes_ax.plot(x, [r.get("peak_kv_bytes", 0) / 2**20 for r in group], **line)
+    tokens_ax.set(xlabel="generated tokens", ylabel="peak live KV tokens per kv head (largest layer)",
+                  title="the sample's own cache")
+    bytes_ax.set(xlabel="generated tokens", ylabel="peak KV MiB allocated per sample",
+                 title="allocated (a batch's bytes / its rows)")
+    for ax in (tokens_ax, bytes_ax):
+        ax.grid(alpha=0.3)
+    bytes_ax.legend(*tokens_ax.get_legend_handles_labels(), fontsize=7, ncol=2 if len(groups) > 12 else 1,
+                    loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle("peak KV memory vs generated length")
     return _save(fig, plt, path)
 
 
