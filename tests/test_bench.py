@@ -152,3 +152,16 @@ def test_throughput_reports_no_ratio_when_full_does_not_fit(smollm):
     assert [r["method"] for r in rows] == ["tova"] and rows[0]["throughput_vs_full"] is None
     with pytest.raises(ValueError, match="raise --kv-memory-gb"):
         throughput(model, tok, parse_args(["--methods", "tova", "--kv-memory-gb", "1e-9"], "throughput"))
+
+
+def test_overhead_and_engine_results_get_a_plot(tmp_path):
+    from kvsieve.bench import engine, overhead
+    from kvsieve.bench.common import plot
+
+    overhead_rows = [{"method": m, "length": 2048, "batch": b, "budget": None, "overhead_vs_full": o,
+                      "speedup_vs_full": 1 / (1 + o)} for m, b, o in (("tova", 1, 0.05), ("tova", 8, 0.07), ("h2o", 8, 0.12))]
+    engine_rows = [{"method": m, "batch": 1, "speed_vs_full": s, "kv_bytes_vs_full": k}
+                   for m, s, k in (("full", 1.0, 1.0), ("tova", 1.1, 0.12))]
+    for name, module, rows in (("o.json", overhead, overhead_rows), ("e.json", engine, engine_rows)):
+        plot(tmp_path / name, lambda ax: module.draw(ax, rows))
+        assert (tmp_path / name).with_suffix(".png").stat().st_size > 1000

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_model_args, load_for, machine, profiled, timed_generate, write
+from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, write
 
 
 def main(argv=None):
@@ -39,7 +39,26 @@ def main(argv=None):
     for r in rows:
         print(f"{r['batch']:>5} {r['method']:10} {r['decode_tokens_per_s']:8.1f} {r['speed_vs_full']:7.2f} "
               f"{r['peak_kv_bytes']:15,} {r['kv_bytes_vs_full']:7.3f} {r['compression_events']:12}")
-    write(args.out, {"benchmark": "engine", "model": args.model, "machine": facts, "rows": rows})
+    out = write(args.out, {"benchmark": "engine", "model": args.model, "machine": facts, "settings": vars(args),
+                           "rows": rows})
+    plot(out, lambda ax: draw(ax, rows))
+
+
+def draw(ax, rows: list[dict]) -> None:
+    """Tokens/s and peak KV bytes of each method relative to full, per batch size."""
+    batches = sorted({r["batch"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / (2 * len(batches))
+    for i, batch in enumerate(batches):
+        by_method = {r["method"]: r for r in rows if r["batch"] == batch}
+        for k, (key, what) in enumerate((("speed_vs_full", "tokens/s"), ("kv_bytes_vs_full", "peak KV bytes"))):
+            offset = (2 * i + k) * width
+            ax.bar([j + offset for j in range(len(methods))], [by_method[m][key] for m in methods], width=width,
+                   label=f"{what}, batch {batch}", hatch="//" if k else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(methods))], methods)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("ratio to full (same run)")
+    ax.legend(fontsize=7)
 
 
 def measure(model, tok, methods: list[str], batch: int, args) -> list[dict]:

@@ -33,7 +33,7 @@ import torch
 from kvsieve import make_policy
 from kvsieve.attention import ATTN_IMPLEMENTATION, StepState
 from kvsieve.cache import SieveCache
-from kvsieve.bench.common import add_model_args, load_for, machine, profiled, write
+from kvsieve.bench.common import add_model_args, load_for, machine, plot, profiled, write
 from kvsieve.methods import method_names
 from kvsieve.policy import SCORERS, compress
 
@@ -231,7 +231,32 @@ def main(argv=None):
             rows = measure(model, args)
     finally:
         model.set_attn_implementation(previous)
-    write(args.out, {"benchmark": "overhead", "model": args.model, "machine": machine(model), "rows": rows})
+    out = write(args.out, {"benchmark": "overhead", "model": args.model, "machine": machine(model),
+                           "settings": vars(args), "rows": rows})
+    plot(out, lambda ax: draw(ax, rows))
+
+
+def draw(ax, rows: list[dict]) -> None:
+    """Horizontal bars: each method's per-step overhead vs full (or its speed-up with --budget),
+    one bar per (length, batch); the issue's 10% line for overheads."""
+    settings = sorted({(r["length"], r["batch"]) for r in rows})
+    methods = sorted({r["method"] for r in rows}, key=lambda m: min(r["overhead_vs_full"] for r in rows if r["method"] == m))
+    speedup = any(r.get("budget") for r in rows)
+    height = 0.8 / len(settings)
+    for i, (length, batch) in enumerate(settings):
+        by_method = {r["method"]: r for r in rows if (r["length"], r["batch"]) == (length, batch)}
+        values = [(by_method[m]["speedup_vs_full"] if speedup else by_method[m]["overhead_vs_full"] * 100)
+                  if m in by_method else 0.0 for m in methods]
+        ax.barh([j + i * height for j in range(len(methods))], values, height=height,
+                label=f"{length} tokens, batch {batch}")
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(methods))], methods, fontsize=7)
+    if speedup:
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel("decode tokens/s vs full (policy holds --budget tokens, full the length)")
+    else:
+        ax.axvline(10, color="red", linestyle=":", label="10% target")
+        ax.set_xlabel("per-step overhead vs full at the same cache length (%)")
+    ax.legend(fontsize=7)
 
 
 def measure(model, args) -> list[dict]:
