@@ -319,3 +319,30 @@ def test_random_weight_shapes_build_offline_and_say_speed_only(monkeypatch):
     with pytest.raises(ValueError, match="unknown random model shape"):
         load_model("random:nope", device="cpu")
     assert set(random_models.SHAPES) >= {"qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b", "qwen3-8b"}
+
+
+@pytest.mark.parametrize("method,budget,static", [("full", None, False), ("tova", 16, False), ("tova", 16, True),
+                                                   ("lazy", 32, False), ("knorm", 16, False), ("caote:tova", 16, False)])
+def test_reported_kv_bytes_are_the_bytes_torch_holds(smollm, monkeypatch, method, budget, static):
+    """Every reading of the cache's size (the source of peak_kv_bytes) equals the bytes of the
+    storages behind its tensors, counted once each: no view hides a larger buffer."""
+    from kvsieve.cache import SieveCache
+
+    model, tok = smollm
+    readings = []
+    reported = SieveCache.allocated_bytes
+
+    def checked(cache):
+        storages = {}
+        for layer in cache.layers:
+            if layer.is_initialized:
+                for t in (layer.keys, layer.values, *layer.meta.values(), *layer.sums.values()):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        readings.append((reported(cache), sum(storages.values())))
+        return readings[-1][0]
+
+    monkeypatch.setattr(SieveCache, "allocated_bytes", checked)
+    result = generate(model, tok, [SHORT, LONG], make_policy(method, budget=budget),
+                      GenerateConfig(max_new_tokens=40, static_shapes=static))
+    assert len(readings) > 1 and all(ours == torch_held for ours, torch_held in readings)
+    assert all(0 < stat.peak_kv_bytes <= max(r[0] for r in readings) for stat in result.stats)  # a row's share
