@@ -175,3 +175,21 @@ def test_rows_leaving_the_batch_keep_their_prompt_index_and_lose_nothing(smollm,
     trace, result = traced_with_early_stop(smollm, early_stop, monkeypatch)
     (got0, want0), (got1, want1) = check_rows(trace, result, smollm[0])
     assert (got0, got1, trace.lost) == (want0, want1, 0)
+
+
+def test_analyze_trace_command_writes_the_trace_and_its_heatmap(smollm, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvsieve.cli import app
+
+    data = tmp_path / "gsm.jsonl"
+    data.write_text('{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "#### 7"}\n')
+    out = tmp_path / "trace"
+    result = CliRunner().invoke(app, ["analyze", "trace", "--data", str(data), "--method", "streaming", "--budget", "16",
+                                      "--max-new-tokens", "12", "--out", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "compression events" in result.output and (out / "trace.npz").exists() and (out / "trace.png").exists()
+    redrawn = CliRunner().invoke(app, ["analyze", "trace", "--from", str(out / "trace.npz"), "--layer", "0"])
+    assert redrawn.exit_code == 0 and (out / "trace-layer0.png").exists(), redrawn.output
+    bad = CliRunner().invoke(app, ["analyze", "trace", "--data", str(data), "--sample", "5", "--out", str(out)])
+    assert bad.exit_code == 2 and "has only 1 samples" in bad.output
