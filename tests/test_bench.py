@@ -165,3 +165,17 @@ def test_overhead_and_engine_results_get_a_plot(tmp_path):
     for name, module, rows in (("o.json", overhead, overhead_rows), ("e.json", engine, engine_rows)):
         plot(tmp_path / name, lambda ax: module.draw(ax, rows))
         assert (tmp_path / name).with_suffix(".png").stat().st_size > 1000
+
+
+def test_profile_flag_writes_a_chrome_trace_and_an_op_table(tmp_path):
+    import json
+
+    import torch
+
+    from kvsieve.bench.common import profiled
+
+    path = tmp_path / "prof" / "trace.json"
+    with profiled(str(path)):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    assert "traceEvents" in json.loads(path.read_text())
+    assert "aten::mm" in (tmp_path / "prof" / "trace.json.txt").read_text()
