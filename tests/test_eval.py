@@ -166,6 +166,7 @@ def test_regrade_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="unknown grader 'nope'"):
         regrade(tmp_path, grader="nope")
     with ResultStore(tmp_path):
+        assert regrade(tmp_path, grader="gsm8k").graded == 1  # a dry run reads beside a running eval
         with pytest.raises(ValueError, match="being written by another process"):
             regrade(tmp_path, write=True, grader="gsm8k")
 

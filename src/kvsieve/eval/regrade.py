@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ def _manifest_grader(directory: Path) -> str | None:
 def regrade(directory: str | os.PathLike, write: bool = False, grader: str | None = None) -> Regrade:
     """Grade every stored row with a text again; rewrite the results files when ``write``.
 
+    Without ``write`` it only reads, so it may run beside an eval that is appending rows.
     Raises ValueError for an unknown ``grader``, a directory without results, rows whose grader
     kind cannot be told, or (with ``write``) a results file an eval is still appending to.
     """
@@ -74,7 +76,7 @@ def regrade(directory: str | os.PathLike, write: bool = False, grader: str | Non
     fallback = grader or _manifest_grader(directory)
     found = Regrade()
     for path in paths:
-        with writer_lock(path):  # no eval may append while this file is read and replaced
+        with writer_lock(path) if write else nullcontext():  # no eval may append while a file is replaced
             rows = list(read_rows(path))
             changed = _regrade_rows(path, rows, fallback, found)
             if write and changed:
