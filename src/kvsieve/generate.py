@@ -159,8 +159,9 @@ def sample(logits: torch.Tensor, config: GenerateConfig, generator: torch.Genera
 class _Run:
     """Book-keeping of one generate call: which rows are still active and their stats."""
 
-    def __init__(self, tokenizer, model, encoded, config, on_token):
+    def __init__(self, tokenizer, model, encoded, config, on_token, on_finish=None, settings=None):
         self.tokenizer, self.config, self.on_token = tokenizer, config, on_token
+        self.on_finish, self.settings = on_finish, settings  # hand_over's callback and the policy settings
         self.stats = [RowStats(prompt_tokens=len(ids)) for ids in encoded]
         self.tokens: list[list[int]] = [[] for _ in encoded]
         self.active = list(range(len(encoded)))  # original row index of each cache row
@@ -175,6 +176,12 @@ class _Run:
         if self.stats[row].finish_reason == "eos":
             seq = seq[:-1]
         return _cut_at_stop(self.tokenizer.decode(seq, skip_special_tokens=True), self.config.stop_strings)
+
+    def hand_over(self, rows: list[int]) -> None:
+        """Give each finished row (an original row index) to ``on_finish`` with its text and stats."""
+        if self.on_finish is not None:
+            for row in rows:
+                self.on_finish(row, self.text(row), self.stats[row], self.settings)
 
     def take(self, new_tokens: list[list[int]]) -> list[int]:
         """Append host copies of new tokens; return cache rows that finished."""
@@ -251,12 +258,12 @@ def generate(
     policy = policy.for_horizon(input_ids.shape[1] + config.max_new_tokens)  # LagKV at a budget
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
-    run = _Run(tokenizer, model, encoded, config, on_token)
     settings = policy.settings()
     if steering is not None:
         settings["steering"] = steering.settings()
     if is_random(model):
         settings["weights"] = RANDOM_NOTE
+    run = _Run(tokenizer, model, encoded, config, on_token, on_finish, settings)
     num_layers = model.config.num_hidden_layers
     budgets = policy.layer_budgets(num_layers)
     scorer = policy.scorer
@@ -290,7 +297,7 @@ def generate(
         cache.seen_tokens = torch.tensor([len(ids) for ids in encoded], device=device)
         drop_dead(cache, headroom=policy.interval if scorer else config.grow_chunk,
                   past_hint=scorer is not None and not policy.compress_prefill)
-        tracker = _Tracker(run, cache, on_finish, settings)
+        tracker = _Tracker(run, cache)
         if scorer is not None and policy.compress_prefill:
             tracker.record()
             if compress(cache, policy, budgets):
@@ -317,10 +324,8 @@ def generate(
 class _Tracker:
     """Peak live tokens and allocated bytes, read at the moments they can peak."""
 
-    def __init__(self, run: _Run, cache: SieveCache, on_finish: "FinishCallback | None" = None,
-                 settings: dict | None = None):
+    def __init__(self, run: _Run, cache: SieveCache):
         self.run, self.cache = run, cache
-        self.on_finish, self.settings = on_finish, settings
         n_layers = len(cache.layers)
         self.peak_tokens = torch.zeros(len(run.stats), n_layers, dtype=torch.long, device=cache.seen_tokens.device)
         self.bytes_seen = 0
@@ -361,10 +366,6 @@ class _Tracker:
             stat.generated_tokens = len(self.run.tokens[self.run.active[cache_row]])
             stat.decode_s = now - decode_start
             stat.tokens_per_s = stat.generated_tokens / stat.decode_s if stat.decode_s > 0 else 0.0
-        if self.on_finish is not None:
-            for cache_row in cache_rows:
-                row = self.run.active[cache_row]
-                self.on_finish(row, self.run.text(row), self.run.stats[row], self.settings)
 
 
 def _decode(model, cache, policy, budgets, config, run, tracker, next_token, observer, generator):
@@ -383,6 +384,7 @@ def _decode(model, cache, policy, budgets, config, run, tracker, next_token, obs
             if finished:
                 _sync(device)
                 tracker.finish(finished, decode_start)
+                run.hand_over([run.active[r] for r in finished])
                 keep = [r for r in range(len(run.active)) if r not in set(finished)]
                 run.active = [run.active[r] for r in keep]
                 if not run.active:
