@@ -12,7 +12,6 @@ A row's grader kind is its ``grader`` field; rows written before that field exis
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..grading import GRADERS, grade
-from .store import MANIFEST, RESULTS_GLOB, read_rows, row_key, writer_lock
+from .store import RESULTS_GLOB, read_manifest, read_rows, rewrite_rows, row_key, writer_lock
 
 
 @dataclass
@@ -48,10 +47,9 @@ def _manifest_grader(directory: Path) -> str | None:
     """The grader kind of the data set in ``run.json`` (one sample loaded), or None."""
     from ..data import DataError, load_dataset
 
-    path = directory / MANIFEST
-    if not path.exists():
+    manifest = read_manifest(directory)
+    if not manifest:
         return None
-    manifest = json.loads(path.read_text(encoding="utf-8"))
     try:
         samples = load_dataset(manifest["dataset"], path=manifest.get("data_path"), limit=1,
                                **(manifest.get("data_options") or {}))
@@ -109,11 +107,5 @@ def _replace(path: Path, rows: list[dict]) -> Path:
     """Keep a copy of ``path``, then swap in the re-graded rows atomically; returns the copy."""
     backup = path.with_name(f"{path.name}.bak-regrade-{time.strftime('%Y%m%d-%H%M%S')}")
     shutil.copy2(path, backup)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    rewrite_rows(path, rows)
     return backup

@@ -27,13 +27,12 @@ Definitions (every number is computed from the rows alone):
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .store import MANIFEST, load_results
+from .store import load_results, read_manifest
 
 Z95 = 1.959964  # two-sided 95% normal quantile
 
@@ -248,8 +247,7 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
         rows = common_rows(rows)
         if not rows:
             raise ValueError(f"no sample is shared by every cell in {directory}; drop --common")
-    manifest_path = directory / MANIFEST
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.exists() else {}
+    manifest = read_manifest(directory)
     summaries = summarize(rows)
     files = [directory / "summary.csv", directory / "report.md"]
     write_csv(summaries, files[0])

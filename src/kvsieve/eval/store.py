@@ -82,6 +82,27 @@ def load_results(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def _row_line(row: dict[str, Any]) -> str:
+    """One row as a line of a results file."""
+    return json.dumps(row, ensure_ascii=False) + "\n"
+
+
+def rewrite_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace results file ``path`` with ``rows`` in one atomic step (hold its ``writer_lock``)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(_row_line(row) for row in rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """``run.json`` of a results directory, or {} when it has none."""
+    path = Path(directory) / MANIFEST
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
 def _take_lock(path: Path):
     """An open lock file held exclusively for ``path``; ValueError if another process holds it."""
     handle = open(path.with_name(f".{path.name}.lock"), "a")
@@ -131,7 +152,7 @@ class ResultStore:
         key = row_key(row)
         if key in self.done:
             return False
-        self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._file.write(_row_line(row))
         self._file.flush()
         os.fsync(self._file.fileno())
         self.done.add(key)
@@ -157,7 +178,7 @@ def check_manifest(directory: str | os.PathLike, fields: dict[str, Any]) -> None
     path = Path(directory) / MANIFEST
     merged = dict(fields)
     if path.exists():
-        old = json.loads(path.read_text(encoding="utf-8"))
+        old = read_manifest(directory)
         differ = [f"{k}: {old.get(k)!r} before, {fields.get(k)!r} now" for k in sorted(set(old) | set(fields))
                   if k != "settings" and old.get(k) != fields.get(k)]
         old_settings, new_settings = old.get("settings") or {}, fields.get("settings") or {}
