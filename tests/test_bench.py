@@ -179,3 +179,22 @@ def test_profile_flag_writes_a_chrome_trace_and_an_op_table(tmp_path):
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert "traceEvents" in json.loads(path.read_text())
     assert "aten::mm" in (tmp_path / "prof" / "trace.json.txt").read_text()
+
+
+def test_long_benchmark_reads_every_length_off_one_run_per_method(smollm):
+    """One generation per method to the longest length; each shorter length is read off its clock,
+    and the bounded method's KV bytes stay flat below full's."""
+    from kvsieve.bench.scale import long, parse_args
+
+    model, tok = smollm
+    result = long(model, tok, parse_args(["--methods", "streaming", "--budget", "8", "--lengths", "32,16",
+                                          "--batch", "2"], "long"))
+    assert [r["method"] for r in result["runs"]] == ["full", "streaming"]
+    assert all(run["clock"][-1][0] == 32 and run["generated_tokens"] == 64 for run in result["runs"])
+    rows = {(r["method"], r["new_tokens"]): r for r in result["rows"]}
+    assert set(rows) == {(m, n) for m in ("full", "streaming") for n in (16, 32)}
+    assert rows["full", 16]["speed_vs_full"] == 1.0 and rows["streaming", 32]["decode_tokens_per_s"] > 0
+    assert rows["streaming", 32]["kv_bytes_at_length"] == rows["streaming", 16]["kv_bytes_at_length"]
+    assert rows["streaming", 32]["kv_bytes_vs_full"] < 1
+    with pytest.raises(ValueError, match="multiple of 8"):
+        long(model, tok, parse_args(["--lengths", "30"], "long"))

@@ -64,12 +64,26 @@ def prompts(batch: int) -> list[str]:
 
 
 def timed_generate(model, tok, method: str, budget: int | None, batch: int, new_tokens: int,
-                   kv_memory_gb: float | None = None, **settings) -> dict:
-    """Greedy generation of exactly ``new_tokens`` per row (EOS ignored); batch-level figures."""
+                   kv_memory_gb: float | None = None, clock_every: int | None = None, **settings) -> dict:
+    """Greedy generation of exactly ``new_tokens`` per row (EOS ignored); batch-level figures.
+
+    With ``clock_every`` the row also holds ``clock``: ``(tokens generated per row, seconds since
+    the first decode check)`` at that first check and each time the rows pass a multiple of
+    ``clock_every`` tokens, so one long run gives the speed over every stretch of the way
+    (``tokens_per_s_between``).  Readings land on the host checks (every ``check_every`` steps)."""
     policy = make_policy(method, budget=None if method == "full" else budget, **settings)
     config = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True, kv_memory_gb=kv_memory_gb)
+    clock: list[tuple[int, float]] = []  # (tokens row 0 has generated, perf_counter)
+    done = [0]
+
+    def on_token(row: int, new_ids: list[int]) -> None:  # rows advance in lock step (EOS ignored)
+        if row == 0:
+            before, done[0] = done[0], done[0] + len(new_ids)
+            if not clock or done[0] // clock_every > before // clock_every:
+                clock.append((done[0], time.perf_counter()))
+
     t0 = time.perf_counter()
-    result = generate(model, tok, prompts(batch), policy, config)
+    result = generate(model, tok, prompts(batch), policy, config, on_token=on_token if clock_every else None)
     wall = time.perf_counter() - t0
     decode_s = max(s.decode_s for s in result.stats)
     generated = sum(s.generated_tokens for s in result.stats)
@@ -81,7 +95,19 @@ def timed_generate(model, tok, method: str, budget: int | None, batch: int, new_
         "peak_kv_tokens_max_layer": max(max(s.peak_kv_tokens) for s in result.stats),
         "compression_events": result.stats[0].compression_events,
         "kv_bytes_trace": result.kv_bytes_trace,
+        **({"clock": [(n, t - clock[0][1]) for n, t in clock]} if clock else {}),
     }
+
+
+def tokens_per_s_between(row: dict, start: int, end: int) -> float:
+    """Decode tokens/s (all rows) from ``start`` to ``end`` generated tokens, read off ``row["clock"]``.
+
+    ``start`` is rounded up to the first clock reading (the first host check, a few steps in)."""
+    marks = dict(row["clock"])
+    first = min(n for n in marks if n >= start)
+    if end not in marks:
+        raise ValueError(f"no clock reading at {end} tokens; readings every {row['clock'][1][0] - row['clock'][0][0]}")
+    return row["batch"] * (end - first) / (marks[end] - marks[first])
 
 
 def machine(model) -> dict:
@@ -101,8 +127,9 @@ def write(path: str, payload: dict) -> Path:
     return out
 
 
-def plot(path: Path, draw) -> None:
-    """Save a PNG beside ``path`` with ``draw(ax)``; skipped (with a note) without matplotlib."""
+def plot(path: Path, draw, panels: int = 1) -> None:
+    """Save a PNG beside ``path`` with ``draw(ax)`` (``draw(axes)`` for several side-by-side
+    ``panels``); skipped (with a note) without matplotlib."""
     try:
         import matplotlib
 
@@ -111,7 +138,7 @@ def plot(path: Path, draw) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(1, panels, figsize=(7 * panels, 4.5))
     draw(ax)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)

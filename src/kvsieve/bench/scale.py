@@ -12,10 +12,12 @@ and long generation. Each figure is a ratio to ``full`` measured in the same run
 from __future__ import annotations
 
 import argparse
+import math
 
+from ..generate import GenerateConfig
 from ..memory import max_batch_size
 from ..methods import make_policy
-from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, write
+from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, tokens_per_s_between, write
 
 
 def memory(model, tok, args) -> dict:
@@ -80,28 +82,55 @@ def throughput(model, tok, args) -> dict:
 
 
 def long(model, tok, args) -> dict:
-    """tokens/s of full vs bounded methods over long generations (batch ``--batch``)."""
+    """Decode tokens/s of full vs bounded methods over long generations (batch ``--batch``).
+
+    Each method generates once, to the longest of ``--lengths``; the clock read on the way gives
+    its speed over the first L tokens for every L asked for (the mean over the whole run to L) and
+    over the last stretch before L (the speed *at* that length), and the run's KV bytes trace
+    shows the memory as it grows."""
+    lengths = sorted(args.lengths)
+    if any(n % CHECK_EVERY for n in lengths):
+        raise ValueError(f"--lengths {lengths}: each must be a multiple of {CHECK_EVERY} (the decode loop's host check)")
+    every = math.gcd(256, *lengths)
+    runs = []
+    for method in ["full", *args.methods]:
+        runs.append(timed_generate(model, tok, method, args.budget, args.batch, lengths[-1], clock_every=every))
+        print(f"{method}: {lengths[-1]} tokens x {args.batch} rows in {runs[-1]['wall_s']:.0f} s", flush=True)
     rows = []
-    for length in args.lengths:
-        full = None
-        for method in ["full", *args.methods]:
-            r = timed_generate(model, tok, method, args.budget, args.batch, length)
-            full = full or r
-            r["speed_vs_full"] = r["decode_tokens_per_s"] / full["decode_tokens_per_s"]
-            rows.append(r)
-            print(f"{length:6d} tokens {method:12} {r['decode_tokens_per_s']:8.1f} tok/s "
-                  f"{r['speed_vs_full']:.2f}x full, peak KV {r['peak_kv_bytes']:,} B", flush=True)
+    for length in lengths:
+        for run in runs:
+            row = {k: run[k] for k in ("method", "budget", "batch")}
+            row["new_tokens"] = length
+            row["decode_tokens_per_s"] = tokens_per_s_between(run, 0, length)
+            row["tokens_per_s_last_stretch"] = tokens_per_s_between(run, length - every, length)
+            row["kv_bytes_at_length"] = max((b for s, b in run["kv_bytes_trace"] if s <= length), default=0)
+            rows.append(row)
+            full = next(r for r in rows if r["new_tokens"] == length and r["method"] == "full")
+            for key, src in (("speed_vs_full", "decode_tokens_per_s"), ("last_stretch_vs_full", "tokens_per_s_last_stretch"),
+                             ("kv_bytes_vs_full", "kv_bytes_at_length")):
+                row[key] = row[src] / full[src]
+            print(f"{length:6d} tokens {row['method']:10} {row['decode_tokens_per_s']:7.1f} tok/s "
+                  f"({row['speed_vs_full']:.2f}x full), at {length}: {row['tokens_per_s_last_stretch']:7.1f} tok/s "
+                  f"({row['last_stretch_vs_full']:.2f}x), KV {row['kv_bytes_at_length'] / 2**20:8.1f} MiB "
+                  f"({row['kv_bytes_vs_full']:.3f}x)", flush=True)
 
-    def draw(ax):
-        for method in ["full", *args.methods]:
-            pts = [(r["new_tokens"], r["decode_tokens_per_s"]) for r in rows if r["method"] == method]
-            ax.plot(*zip(*pts), marker="o", label=method)
-        ax.set(xlabel="generated tokens", ylabel="decode tokens/s", title=f"batch {args.batch}, budget {args.budget}")
-        ax.legend()
+    def draw(axes):
+        speed, memory = axes
+        for run in runs:
+            ends = [n for n, _ in run["clock"] if n % every == 0 and n >= 2 * every]
+            speed.plot(ends, [tokens_per_s_between(run, n - every, n) for n in ends], label=run["method"])
+            trace = [*run["kv_bytes_trace"], (lengths[-1], run["kv_bytes_trace"][-1][1])]
+            memory.step([s for s, _ in trace], [b / 2**20 for _, b in trace], where="post", label=run["method"])
+        speed.set(xlabel="generated tokens", ylabel=f"decode tokens/s (all rows, per {every} tokens)",
+                  title=f"{args.model}, batch {args.batch}, budget {args.budget}")
+        memory.set(xlabel="generated tokens", ylabel="allocated KV (MiB)", title="KV memory")
+        for ax in axes:
+            ax.legend()
 
-    return {"rows": rows, "draw": draw}
+    return {"rows": rows, "runs": runs, "draw": draw, "panels": 2}
 
 
+CHECK_EVERY = GenerateConfig.check_every
 RUNS = {"memory": memory, "throughput": throughput, "long": long}
 DEFAULTS = {"long": {"methods": "tova,lazy", "budget": 512, "batch": 8}}  # issue 7's long-generation comparison
 
@@ -135,8 +164,9 @@ def main(argv=None, name: str | None = None):
         result = RUNS[name](model, tok, args)
     out = write(args.out or f"benchmarks/results/{name}.json",
                 {"benchmark": name, "model": args.model, "machine": machine(model),
-                 "settings": vars(args), "rows": result["rows"]})
-    plot(out, result["draw"])
+                 "settings": vars(args), "rows": result["rows"],
+                 **({"runs": result["runs"]} if "runs" in result else {})})
+    plot(out, result["draw"], result.get("panels", 1))
 
 
 if __name__ == "__main__":
