@@ -13,6 +13,8 @@ Attention probabilities are materialised only when the policy observes them this
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,6 +45,19 @@ class StepState:
     cache: SieveCache
     query_pos: torch.Tensor  # [B, T] positions of the tokens in flight, DEAD_POS for padding
     observer: Observer | None = None
+
+
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    """The forward argument that takes the cache: ``cache`` from transformers 5.2x on (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache: SieveCache) -> dict:
+    """``{name: cache, "use_cache": True}`` for ``model(...)``, with the name its transformers takes."""
+    return {_cache_kwarg(type(model)): cache, "use_cache": True}
 
 
 def check_supported(model) -> None:

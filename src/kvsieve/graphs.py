@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import StepState
+from .attention import StepState, cache_kwargs
 from .cache import DEAD_POS, SieveCache
 
 
@@ -28,7 +28,7 @@ def forward_step(model, cache: SieveCache, input_ids: torch.Tensor, query_pos: t
     cache.begin_step(query_pos)
     state = StepState(cache=cache, query_pos=query_pos, observer=observer)
     rope_pos = query_pos.masked_fill(query_pos == DEAD_POS, 0)  # padding: any finite position
-    out = model(input_ids=input_ids, position_ids=rope_pos, past_key_values=cache, use_cache=True,
+    out = model(input_ids=input_ids, position_ids=rope_pos, **cache_kwargs(model, cache),
                 logits_to_keep=1, kvsieve=state)
     return out.logits[:, -1]
 

@@ -31,7 +31,7 @@ import time
 import torch
 
 from kvsieve import make_policy
-from kvsieve.attention import ATTN_IMPLEMENTATION, StepState
+from kvsieve.attention import ATTN_IMPLEMENTATION, StepState, cache_kwargs
 from kvsieve.cache import SieveCache
 from kvsieve.bench.common import add_model_args, load_for, machine, plot, profiled, write
 from kvsieve.methods import method_names
@@ -117,7 +117,7 @@ class _Timed:
         qpos = cache.seen_tokens[:, None]
         cache.begin_step(qpos)
         observer = self.observer if policy.observes_step(self.step_index) else None
-        self.model(input_ids=self.token, position_ids=qpos, past_key_values=cache, use_cache=True,
+        self.model(input_ids=self.token, position_ids=qpos, **cache_kwargs(self.model, cache),
                    logits_to_keep=1, kvsieve=StepState(cache=cache, query_pos=qpos, observer=observer))
         self.step_index += 1
         cache.seen_tokens = cache.seen_tokens + 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import ATTN_IMPLEMENTATION, StepState, check_supported
+from ..attention import ATTN_IMPLEMENTATION, StepState, cache_kwargs, check_supported
 from ..cache import SieveCache
 from ..policy import Policy, compress, drop_dead
 
@@ -44,7 +44,7 @@ class TextScore:
 def _step(model, cache: SieveCache, input_ids, positions, observer) -> torch.Tensor:
     cache.begin_step(positions)
     state = StepState(cache=cache, query_pos=positions, observer=observer)
-    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+    out = model(input_ids=input_ids, position_ids=positions, **cache_kwargs(model, cache),
                 logits_to_keep=0, kvsieve=state)
     return out.logits.float().log_softmax(dim=-1)  # [1, T, V]
 
