@@ -261,6 +261,22 @@ def test_shards_merge_to_the_single_run(smollm, gsm_file, reference, tmp_path):
     assert full_texts(load_results(tmp_path)) == full_texts(reference) and len(full_texts(reference)) == 2
 
 
+def test_writers_fill_disjoint_cells_of_one_directory(smollm, gsm_file, reference, tmp_path):
+    """full first, then two writers with one budget each (the grid split by budget across
+    processes): every row once, in each writer's own file, the same as the single run."""
+    model, tok = smollm
+    run_grid(tiny_config(tmp_path, gsm_file, methods=("full",)), model, tok, progress=False)
+    for budget in (32, 24):
+        run_grid(tiny_config(tmp_path, gsm_file, budgets=(budget,), writer=f"b{budget}"), model, tok, progress=False)
+    names = sorted(p.name for p in tmp_path.glob("results*.jsonl"))
+    assert names == ["results.b24.jsonl", "results.b32.jsonl", "results.jsonl"]
+    assert {row_key(json.loads(line))[1:] for line in (tmp_path / "results.b24.jsonl").read_text().splitlines()} == {("tova", 24)}
+    ours = keyed(load_results(tmp_path))
+    assert len(ours) == 6 and {k: r["text"] for k, r in ours.items() if k[2] != 24} == {k: r["text"] for k, r in keyed(reference).items()}
+    with pytest.raises(ValueError, match="letters, digits"):
+        tiny_config(tmp_path, gsm_file, writer="a/b")
+
+
 def full_texts(rows):
     return {k: r["text"] for k, r in keyed(rows).items() if k[1] == "full"}
 

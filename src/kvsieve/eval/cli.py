@@ -68,6 +68,9 @@ def eval_command(
     prefill_chunk: int = typer.Option(512),
     out: Optional[Path] = typer.Option(None, help="Results directory (default runs/MODEL-DATASET)."),
     shard: str = typer.Option("0/1", help="i/n: run every n-th sample starting at i (one process per shard)."),
+    writer: Optional[str] = typer.Option(
+        None, help="Write rows to results.WRITER.jsonl, so several processes can fill disjoint cells of one --out "
+                   "(e.g. one per budget; run full first, alone: every process runs the cells it lacks)."),
     ray: bool = typer.Option(False, "--ray", help="Run (cell, batch) tasks on Ray (pip install ray)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: $RAY_ADDRESS, else a new local one; 'local': always a new one)."),
     device: str = typer.Option("auto"),
@@ -93,7 +96,7 @@ def eval_command(
         seed=seed, prefill_chunk=prefill_chunk, batch_size=batch_size,
         settings=_bad(split_settings, _pairs(set_, "--set"), method_list), shard=_bad(parse_shard, shard),
         device=device, dtype=dtype, steering=None if steering is None else str(steering),
-        steering_settings=_pairs(steering_set, "--steering-set"))
+        steering_settings=_pairs(steering_set, "--steering-set"), writer=writer)
     # Everything the user can get wrong fails here, before the model loads (but a steering vector
     # built for another model, found once it has loaded); other errors after this point are bugs
     # and keep their traceback.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -98,6 +99,10 @@ class EvalConfig:
         labelled ``<method>+steer`` (``full+steer``: steering alone); needed iff one is listed.
     steering_settings : dict
         ``alpha0`` / ``gamma`` / ``positions`` over the vector's preset (``Steering.preset``).
+    writer : str | None
+        Tag of this process's results file, ``results.<writer>.jsonl``: several processes can
+        then fill disjoint cells of one directory (e.g. one per budget) side by side; readers
+        merge every results file.
 
     A steered label is a method of its own: its rows are keyed and summarised apart from the
     unsteered method's, carry ``settings["steering"]``, and the manifest records the steering
@@ -124,6 +129,7 @@ class EvalConfig:
     dtype: str = "auto"
     steering: str | None = None
     steering_settings: dict[str, Any] = field(default_factory=dict)
+    writer: str | None = None
 
     def __post_init__(self):
         from ..methods import takes_budget
@@ -150,6 +156,8 @@ class EvalConfig:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if len(self.shard) != 2 or not 0 <= self.shard[0] < self.shard[1]:
             raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {self.shard}")
+        if self.writer is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", self.writer):
+            raise ValueError(f"writer tag {self.writer!r}: use letters, digits, '-' and '_' only (it names results.<tag>.jsonl)")
         stray = set(self.settings) - set(self.methods)
         if stray:
             raise ValueError(f"settings given for method(s) {sorted(stray)} not in methods {list(self.methods)}")
@@ -190,4 +198,5 @@ class EvalConfig:
     @property
     def results_name(self) -> str:
         i, n = self.shard
-        return "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl"
+        tag = "" if self.writer is None else f".{self.writer}"
+        return f"results{tag}.jsonl" if n == 1 else f"results{tag}.shard{i}of{n}.jsonl"

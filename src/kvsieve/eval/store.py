@@ -5,6 +5,7 @@ Layout of a results directory::
     run.json                          the settings every row was produced under (RESULT_FIELDS)
     results.jsonl                     rows of an unsharded run
     results.shard{i}of{n}.jsonl       rows of shard i of n (each process appends to its own file)
+    results.<writer>[.shard..].jsonl  rows of a process started with ``--writer`` (disjoint cells)
 
 A row is keyed by ``(id, method, budget)``.  Appends are ``write + flush + fsync`` of one whole
 line, so a killed run loses at most the line being written; that torn tail is cut off when the
