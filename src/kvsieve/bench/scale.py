@@ -22,7 +22,10 @@ from .common import add_model_args, load_for, machine, plot, profiled, timed_gen
 
 def memory(model, tok, args) -> dict:
     """Peak allocated KV bytes as ``--batch`` rows generate ``new_tokens``: full grows, bounded stays flat."""
-    rows = [timed_generate(model, tok, m, args.budget, args.batch, args.new_tokens) for m in ["full", *args.methods]]
+    rows = []
+    for method in ["full", *args.methods]:
+        rows.append(timed_generate(model, tok, method, args.budget, args.batch, args.new_tokens))
+        print(f"{method}: {args.new_tokens} tokens x {args.batch} rows in {rows[-1]['wall_s']:.0f} s", flush=True)
     full = rows[0]
     print(f"{'method':12} {'peak KV bytes':>15} {'x full':>7} {'bytes at half way':>18} {'at the end':>12}")
     for r in rows:
