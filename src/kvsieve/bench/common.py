@@ -106,7 +106,7 @@ def tokens_per_s_between(row: dict, start: int, end: int) -> float:
     marks = dict(row["clock"])
     first = min(n for n in marks if n >= start)
     if end not in marks:
-        raise ValueError(f"no clock reading at {end} tokens; readings every {row['clock'][1][0] - row['clock'][0][0]}")
+        raise ValueError(f"no clock reading at {end} tokens; the run read it at {sorted(marks)}")
     return row["batch"] * (end - first) / (marks[end] - marks[first])
 
 

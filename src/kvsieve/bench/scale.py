@@ -20,12 +20,21 @@ from ..methods import make_policy
 from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, tokens_per_s_between, write
 
 
+CHECK_EVERY = GenerateConfig.check_every  # decode steps between host checks: where clock readings land
+
+
+def run_each(model, tok, args, new_tokens: int, **timing) -> list[dict]:
+    """``timed_generate`` for ``full`` and then each of ``--methods``, reporting each run as it ends."""
+    runs = []
+    for method in ["full", *args.methods]:
+        runs.append(timed_generate(model, tok, method, args.budget, args.batch, new_tokens, **timing))
+        print(f"{method}: {new_tokens} tokens x {args.batch} rows in {runs[-1]['wall_s']:.0f} s", flush=True)
+    return runs
+
+
 def memory(model, tok, args) -> dict:
     """Peak allocated KV bytes as ``--batch`` rows generate ``new_tokens``: full grows, bounded stays flat."""
-    rows = []
-    for method in ["full", *args.methods]:
-        rows.append(timed_generate(model, tok, method, args.budget, args.batch, args.new_tokens))
-        print(f"{method}: {args.new_tokens} tokens x {args.batch} rows in {rows[-1]['wall_s']:.0f} s", flush=True)
+    rows = run_each(model, tok, args, args.new_tokens)
     full = rows[0]
     print(f"{'method':12} {'peak KV bytes':>15} {'x full':>7} {'bytes at half way':>18} {'at the end':>12}")
     for r in rows:
@@ -95,20 +104,16 @@ def long(model, tok, args) -> dict:
     if any(n % CHECK_EVERY for n in lengths):
         raise ValueError(f"--lengths {lengths}: each must be a multiple of {CHECK_EVERY} (the decode loop's host check)")
     every = math.gcd(256, *lengths)
-    runs = []
-    for method in ["full", *args.methods]:
-        runs.append(timed_generate(model, tok, method, args.budget, args.batch, lengths[-1], clock_every=every))
-        print(f"{method}: {lengths[-1]} tokens x {args.batch} rows in {runs[-1]['wall_s']:.0f} s", flush=True)
+    runs = run_each(model, tok, args, lengths[-1], clock_every=every)  # runs[0] is full
     rows = []
     for length in lengths:
-        for run in runs:
-            row = {k: run[k] for k in ("method", "budget", "batch")}
-            row["new_tokens"] = length
-            row["decode_tokens_per_s"] = tokens_per_s_between(run, 0, length)
-            row["tokens_per_s_last_stretch"] = tokens_per_s_between(run, length - every, length)
-            row["kv_bytes_at_length"] = max((b for s, b in run["kv_bytes_trace"] if s <= length), default=0)
-            rows.append(row)
-            full = next(r for r in rows if r["new_tokens"] == length and r["method"] == "full")
+        at_length = [{"method": run["method"], "budget": run["budget"], "batch": run["batch"], "new_tokens": length,
+                      "decode_tokens_per_s": tokens_per_s_between(run, 0, length),
+                      "tokens_per_s_last_stretch": tokens_per_s_between(run, length - every, length),
+                      "kv_bytes_at_length": max((b for s, b in run["kv_bytes_trace"] if s <= length), default=0)}
+                     for run in runs]
+        full = at_length[0]
+        for row in at_length:
             for key, src in (("speed_vs_full", "decode_tokens_per_s"), ("last_stretch_vs_full", "tokens_per_s_last_stretch"),
                              ("kv_bytes_vs_full", "kv_bytes_at_length")):
                 row[key] = row[src] / full[src]
@@ -116,6 +121,7 @@ def long(model, tok, args) -> dict:
                   f"({row['speed_vs_full']:.2f}x full), at {length}: {row['tokens_per_s_last_stretch']:7.1f} tok/s "
                   f"({row['last_stretch_vs_full']:.2f}x), KV {row['kv_bytes_at_length'] / 2**20:8.1f} MiB "
                   f"({row['kv_bytes_vs_full']:.3f}x)", flush=True)
+        rows += at_length
 
     def draw(axes):
         speed, memory = axes
@@ -133,7 +139,6 @@ def long(model, tok, args) -> dict:
     return {"rows": rows, "runs": runs, "draw": draw, "panels": 2}
 
 
-CHECK_EVERY = GenerateConfig.check_every
 RUNS = {"memory": memory, "throughput": throughput, "long": long}
 DEFAULTS = {"long": {"methods": "tova,lazy", "budget": 512, "batch": 8}}  # issue 7's long-generation comparison
 
