@@ -108,12 +108,13 @@ def generated_length(rows: list[dict[str, Any]], path: Path, max_new_tokens: int
     ax.boxplot([groups[k] for k in keys], showmeans=True)
     ax.set_xticks(range(1, len(keys) + 1), [k[0] if k[1] is None else f"{k[0]}@{k[1]}" for k in keys],
                   rotation=45, ha="right")
-    if max_new_tokens:
-        ax.axhline(max_new_tokens, color="grey", linestyle=":", label=f"max_new_tokens={max_new_tokens}")
-        ax.legend(fontsize=8)
+    title = "generated length per cell\n(triangle: mean"
+    if max_new_tokens:  # named in the title: a legend box inside the axes can hide a box's mean
+        ax.axhline(max_new_tokens, color="grey", linestyle=":")
+        title += f"; dotted: max_new_tokens={max_new_tokens}"
     ax.set_ylabel("generated tokens")
     ax.grid(alpha=0.3, axis="y")
-    ax.set_title("generated length per cell (triangle: mean)")
+    ax.set_title(title + ")")
     return _save(fig, plt, path)
 
 
