@@ -200,6 +200,10 @@ def test_grid_rows(reference):
     assert row["final_kv_tokens_mean"] == row["final_kv_tokens"]  # tova: every layer holds the same budget
     assert row["reference"] == "7" and isinstance(row["correct"], bool)
     assert row["grader"] == "gsm8k"  # what a later re-grade of the stored text needs
+    import torch, transformers
+    assert row["runtime"] == {"device": "cpu", "dtype": "float32", "threads": row["runtime"]["threads"],
+                              "torch": torch.__version__, "transformers": transformers.__version__}
+    assert row["runtime"]["threads"] >= 1
 
 
 def test_restart_skips_finished_rows(smollm, gsm_file, reference, tmp_path):

@@ -71,6 +71,18 @@ def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv
             "settings": settings, "reference": sample.reference, "grader": sample.grader, "kv_heads": kv_heads}
 
 
+def _runtime(model) -> dict[str, Any]:
+    """Where a row was computed.  Greedy text can depend on rounding (thread count, device, library
+    versions), most at small budgets where generations degenerate, so rows say what produced them."""
+    import torch
+    import transformers
+
+    param = next(model.parameters())
+    return {"device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
 def _layer_mean(per_layer: list[int]) -> float:
     """Live KV tokens averaged over layers: the cache a method holds when layers differ (Knorm's
     uncompressed first layers, a pyramid allocator), where the largest layer overstates it."""
@@ -100,13 +112,15 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
     policy = make_cell_policy(config, cell)
     steered = split_steer(cell[0])[1]
     kv_heads = _kv_heads(model)
+    runtime = _runtime(model)
     if samples and samples[0].grader == "perplexity":
         if steered:
             raise ValueError(f"{cell[0]}: steering applies to generation, not to perplexity scoring; "
                              f"drop the +steer methods for data set {config.dataset!r}")
         rows = []
         for sample in samples:
-            rows.append(_perplexity_row(model, tokenizer, config, cell, policy, sample, kv_heads))
+            rows.append({**_perplexity_row(model, tokenizer, config, cell, policy, sample, kv_heads),
+                         "runtime": runtime})
             if on_row is not None:
                 on_row(rows[-1])
         return rows
@@ -123,7 +137,7 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
         graded = grade(sample.grader, text, sample.reference)
         rows[index] = {**_base_row(config, cell, sample, settings, kv_heads), **_stat_fields(stat),
                        "batch_size": len(samples), "text": text, "extracted": graded.extracted,
-                       "correct": graded.correct}
+                       "correct": graded.correct, "runtime": runtime}
         if on_row is not None:
             on_row(rows[index])
 
