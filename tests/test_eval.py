@@ -406,6 +406,24 @@ def test_retained_pairs_samples_with_full():
     assert t64.n == 8 and t64.retained == pytest.approx(0.75)
 
 
+def test_accuracy_plot_gives_large_grids_a_panel_per_method_best_first(tmp_path):
+    from kvsieve.eval.plots import ONE_AXES_METHODS, accuracy_vs_budget, panel_methods
+
+    few = synthetic_rows()
+    assert panel_methods(summarize(few)) == [["tova"]]  # one axes, a line per method
+    many = list(few)
+    for k in range(ONE_AXES_METHODS):  # method mK gets K of 10 right at budget 128, 0 at 64
+        for i in range(10):
+            for budget in (64, 128):
+                many.append({**few[0], "id": str(i), "method": f"m{k}", "budget": budget,
+                             "correct": budget == 128 and i < k})
+    plan = panel_methods(summarize(many))
+    # tova (8/10 at 128) first, then m7 .. m0 by accuracy at their largest budget
+    assert plan == [["tova"]] + [[f"m{k}"] for k in reversed(range(ONE_AXES_METHODS))]
+    png = accuracy_vs_budget(summarize(many), tmp_path / "acc.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_report_files(tmp_path):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows()))
     check_manifest(tmp_path, {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80})

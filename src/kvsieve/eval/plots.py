@@ -1,7 +1,8 @@
 """PNG plots of a results directory (matplotlib, Agg backend: no display needed).
 
 * ``accuracy_vs_budget.png``: accuracy (or perplexity) against the KV budget, one line per
-  method with 95% intervals; ``full`` as a horizontal band.
+  method with 95% intervals (a small panel per method, best first, for grids of more than
+  ``ONE_AXES_METHODS``); ``full`` as a horizontal band.
 * ``kv_memory_vs_length.png``: peak KV memory against sequence length, one series per cell
   (the memory figure of LazyEviction: a full cache grows with the output, a budget does not).
 * ``generated_length.png``: distribution of generated lengths per cell (compression often
@@ -31,42 +32,94 @@ def _series_style(plt, i: int) -> dict:
     return dict(color=plt.get_cmap("tab20")(i % 20), marker="os^Dv<>ph*"[(i // 10) % 10])
 
 
+ONE_AXES_METHODS = 8  # more methods than this get a panel each: 20 lines on one axes cannot be told apart
+
+
+def _budget_series(summaries: list[CellSummary]) -> dict[str, list[CellSummary]]:
+    """method -> its budgeted cells, smallest budget first."""
+    series: dict[str, list[CellSummary]] = {}
+    for s in sorted((s for s in summaries if s.budget is not None), key=lambda s: s.budget):
+        series.setdefault(s.method, []).append(s)
+    return series
+
+
+def panel_methods(summaries: list[CellSummary]) -> list[list[str]]:
+    """The methods each panel of ``accuracy_vs_budget`` draws: all on one axes up to
+    ``ONE_AXES_METHODS``, else one each, best first at the method's largest budget (highest
+    accuracy, or lowest perplexity)."""
+    series = _budget_series(summaries)
+    if len(series) <= ONE_AXES_METHODS:
+        return [sorted(series)]
+    use_ppl = any(s.perplexity is not None for s in summaries)
+    score = (lambda m: series[m][-1].perplexity) if use_ppl else (lambda m: -(series[m][-1].accuracy or 0))
+    return [[m] for m in sorted(series, key=lambda m: (score(m), m))]
+
+
 def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
+    """One axes with a line per method, or, for larger grids, one small panel per method
+    (``panel_methods``), each with ``full``'s value and interval behind it."""
     plt = _pyplot()
     use_ppl = any(s.perplexity is not None for s in summaries)
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     budgets = sorted({s.budget for s in summaries if s.budget is not None})
-    for s in summaries:
-        if s.budget is None:  # full and self-sizing methods: a horizontal reference
-            value = s.perplexity if use_ppl else s.accuracy
-            if value is None:
-                continue
-            line = ax.axhline(value, linestyle="--" if s.method == "full" else ":", color="black" if s.method == "full" else None,
-                              label=f"{s.method} (n={s.n})")
-            if not use_ppl and s.method == "full" and s.ci_low is not None:
-                ax.axhspan(s.ci_low, s.ci_high, color=line.get_color(), alpha=0.1)
-    methods = sorted({s.method for s in summaries if s.budget is not None})
-    for i, method in enumerate(methods):
-        cells = sorted((s for s in summaries if s.method == method and s.budget is not None), key=lambda s: s.budget)
-        nudge = 2 ** (0.03 * (i - (len(methods) - 1) / 2))  # side by side, so equal values stay visible
-        x = [s.budget * nudge for s in cells]
-        if use_ppl:
-            ax.plot(x, [s.perplexity for s in cells], label=method, **_series_style(plt, i))
-            continue
-        y = [s.accuracy for s in cells]
-        err = [[a - s.ci_low for a, s in zip(y, cells)], [s.ci_high - a for a, s in zip(y, cells)]]
-        ax.errorbar(x, y, yerr=err, capsize=3, label=method, **_series_style(plt, i))
-    if budgets:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_xlabel("KV budget (tokens per kv head)")
-    ax.set_ylabel("perplexity" if use_ppl else "accuracy (95% Wilson CI)")
-    if not use_ppl:
-        ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the axes, never over a point
-    ax.set_title("perplexity vs KV budget" if use_ppl else "accuracy vs KV budget")
+    series = _budget_series(summaries)
+    references = [s for s in summaries if s.budget is None and (s.perplexity if use_ppl else s.accuracy) is not None]
+    plan = panel_methods(summaries)
+    if len(plan) == 1:
+        fig, ax = plt.subplots(figsize=(8.5, 4.5))
+        panels = [(ax, plan[0], "perplexity vs KV budget" if use_ppl else "accuracy vs KV budget")]
+    else:
+        cols = 5
+        rows = -(-len(plan) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.1 * rows), sharex=True, sharey=True,
+                                 squeeze=False)
+        panels = [(ax, methods, methods[0]) for ax, methods in zip(axes.flat, plan)]
+        for ax in list(axes.flat)[len(plan):]:
+            ax.set_visible(False)
+        fig.suptitle(f"{'perplexity' if use_ppl else 'accuracy (95% Wilson CI)'} vs KV budget, "
+                     f"one panel per method, best first; dashed: full")
+        fig.supxlabel("KV budget (tokens per kv head)")
+    for ax, methods, title in panels:
+        _draw_references(ax, references, use_ppl)
+        for slot, method in enumerate(methods):
+            style = sorted(series).index(method)  # a method looks the same in either layout
+            _draw_series(ax, series[method], method, style, slot, len(methods), use_ppl, plt)
+        if budgets:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.set_xlim(budgets[0] / 1.3, budgets[-1] * 1.3)
+        if not use_ppl:
+            ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.set_title(title, **({"fontsize": 10} if len(panels) > 1 else {}))
+    if len(panels) == 1:
+        ax = panels[0][0]
+        ax.set_xlabel("KV budget (tokens per kv head)")
+        ax.set_ylabel("perplexity" if use_ppl else "accuracy (95% Wilson CI)")
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the axes, never over a point
     return _save(fig, plt, path)
+
+
+def _draw_references(ax, references: list[CellSummary], use_ppl: bool) -> None:
+    """``full`` (dashed, with its interval as a band) and self-sizing methods (dotted) as horizontal lines."""
+    for s in references:
+        full = s.method == "full"
+        line = ax.axhline(s.perplexity if use_ppl else s.accuracy, linestyle="--" if full else ":",
+                          color="black" if full else None, label=f"{s.method} (n={s.n})")
+        if not use_ppl and full and s.ci_low is not None:
+            ax.axhspan(s.ci_low, s.ci_high, color=line.get_color(), alpha=0.1)
+
+
+def _draw_series(ax, cells: list[CellSummary], method: str, style: int, slot: int, count: int, use_ppl: bool,
+                 plt) -> None:
+    """One method's cells; ``slot`` of ``count`` nudges it sideways so equal values stay visible."""
+    nudge = 2 ** (0.03 * (slot - (count - 1) / 2))
+    x = [s.budget * nudge for s in cells]
+    if use_ppl:
+        ax.plot(x, [s.perplexity for s in cells], label=method, **_series_style(plt, style))
+        return
+    y = [s.accuracy for s in cells]
+    err = [[a - s.ci_low for a, s in zip(y, cells)], [s.ci_high - a for a, s in zip(y, cells)]]
+    ax.errorbar(x, y, yerr=err, capsize=3, label=method, **_series_style(plt, style))
 
 
 def kv_memory_vs_length(rows: list[dict[str, Any]], path: Path) -> Path:
