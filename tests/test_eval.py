@@ -406,8 +406,8 @@ def test_retained_pairs_samples_with_full():
     assert t64.n == 8 and t64.retained == pytest.approx(0.75)
 
 
-def test_accuracy_plot_gives_large_grids_a_panel_per_method_best_first(tmp_path):
-    from kvsieve.eval.plots import ONE_AXES_METHODS, accuracy_vs_budget, panel_methods
+def test_plots_of_large_grids_draw_a_panel_per_method_and_pool_memory_by_budget(tmp_path):
+    from kvsieve.eval.plots import ONE_AXES_METHODS, accuracy_vs_budget, memory_series, panel_methods
 
     few = synthetic_rows()
     assert panel_methods(summarize(few)) == [["tova"]]  # one axes, a line per method
@@ -422,6 +422,12 @@ def test_accuracy_plot_gives_large_grids_a_panel_per_method_best_first(tmp_path)
     assert plan == [["tova"]] + [[f"m{k}"] for k in reversed(range(ONE_AXES_METHODS))]
     png = accuracy_vs_budget(summarize(many), tmp_path / "acc.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the memory plot pools such a grid's methods per budget, full stays its own line
+    assert list(memory_series(few)) == ["full", "tova@64", "tova@128"]
+    pooled = memory_series(many)
+    assert list(pooled) == ["full", f"every method at budget 64 ({ONE_AXES_METHODS + 1} methods)",
+                            f"every method at budget 128 ({ONE_AXES_METHODS + 1} methods)"]
+    assert len(pooled["full"]) == 10 and sum(map(len, pooled.values())) == len(many)
 
 
 def test_report_files(tmp_path):

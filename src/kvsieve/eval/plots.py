@@ -3,8 +3,9 @@
 * ``accuracy_vs_budget.png``: accuracy (or perplexity) against the KV budget, one line per
   method with 95% intervals (a small panel per method, best first, for grids of more than
   ``ONE_AXES_METHODS``); ``full`` as a horizontal band.
-* ``kv_memory_vs_length.png``: peak KV memory against sequence length, one series per cell
-  (the memory figure of LazyEviction: a full cache grows with the output, a budget does not).
+* ``kv_memory_vs_length.png``: peak KV memory against sequence length, one series per cell, or
+  per budget in large grids (the memory figure of LazyEviction: a full cache grows with the
+  output, a budget does not).
 * ``generated_length.png``: distribution of generated lengths per cell (compression often
   makes reasoning longer: SkipKV, Observation 3).
 """
@@ -122,21 +123,47 @@ def _draw_series(ax, cells: list[CellSummary], method: str, style: int, slot: in
     ax.errorbar(x, y, yerr=err, capsize=3, label=method, **_series_style(plt, style))
 
 
+POOLED = "~every method"  # the cell key of pooled rows; "~" sorts it after named methods
+
+
+def memory_series(rows: list[dict[str, Any]]) -> dict[str, list[dict]]:
+    """Label -> rows of each series in ``kv_memory_vs_length``: a series per cell, ``full`` first;
+    in grids of more than ``ONE_AXES_METHODS`` methods, one per budget (every method pooled)."""
+    methods_per_budget: dict[int, set] = {}
+    for row in rows:
+        if row["budget"] is not None:
+            methods_per_budget.setdefault(row["budget"], set()).add(row["method"])
+    by_budget = len(set().union(*methods_per_budget.values())) > ONE_AXES_METHODS
+    cells: dict[tuple, list[dict]] = {}
+    for row in rows:
+        method = POOLED if by_budget and row["budget"] is not None else row["method"]
+        cells.setdefault((method, row["budget"]), []).append(row)
+    series = {}
+    for method, budget in sorted(cells, key=cell_order):
+        if budget is None:
+            label = method
+        elif method == POOLED:
+            label = f"every method at budget {budget} ({len(methods_per_budget[budget])} methods)"
+        else:
+            label = f"{method}@{budget}"
+        series[label] = cells[method, budget]
+    return series
+
+
 def kv_memory_vs_length(rows: list[dict[str, Any]], path: Path) -> Path:
     """Left: each sample's own peak live KV tokens per kv head against its generated length (full
     grows with it, a bounded cache stays flat).  Right: the allocated cache bytes per sample (a
-    batch's allocation shared by its rows, so samples of one batch share a value)."""
+    batch's allocation shared by its rows, so samples of one batch share a value).  A series per
+    cell, or, in grids of more than ``ONE_AXES_METHODS`` methods, one per budget."""
     plt = _pyplot()
     fig, (tokens_ax, bytes_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["method"], row["budget"]), []).append(row)
-    for i, key in enumerate(sorted(groups, key=cell_order)):
-        group = sorted(groups[key], key=lambda r: r.get("generated_tokens", 0))
+    groups = memory_series(rows)
+    for i, (label, group) in enumerate(groups.items()):
+        group = sorted(group, key=lambda r: r.get("generated_tokens", 0))
         x = [r.get("generated_tokens", 0) for r in group]
-        label = key[0] if key[1] is None else f"{key[0]}@{key[1]}"
-        style = dict(color="black", marker="s") if key[0] == "full" else _series_style(plt, i)
-        line = dict(linestyle="-" if key[0] == "full" else "none", alpha=0.7, markersize=4, **style)
+        full = label == "full"
+        style = dict(color="black", marker="s") if full else _series_style(plt, i)
+        line = dict(linestyle="-" if full else "none", alpha=0.7, markersize=4, **style)
         tokens_ax.plot(x, [r.get("peak_kv_tokens", 0) / r.get("kv_heads", 1) for r in group], label=label, **line)
         bytes_ax.plot(x, [r.get("peak_kv_bytes", 0) / 2**20 for r in group], **line)
     tokens_ax.set(xlabel="generated tokens", ylabel="peak live KV tokens per kv head (largest layer)",
