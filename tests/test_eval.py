@@ -430,6 +430,16 @@ def test_plots_of_large_grids_draw_a_panel_per_method_and_pool_memory_by_budget(
     assert len(pooled["full"]) == 10 and sum(map(len, pooled.values())) == len(many)
 
 
+def test_length_plot_has_a_panel_per_budget_with_full_in_each():
+    from kvsieve.eval.plots import length_panels
+
+    rows = synthetic_rows() + [dict(synthetic_rows()[0], method="adaptive", budget=None, generated_tokens=7)]
+    panels = length_panels(rows)
+    assert list(panels) == ["budget 64", "budget 128", "own size"]
+    assert list(panels["budget 64"]) == ["full", "tova"] and list(panels["own size"]) == ["full", "adaptive"]
+    assert panels["budget 64"]["tova"] == [60 + 2 * i for i in range(10)] and panels["own size"]["adaptive"] == [7]
+
+
 def test_report_files(tmp_path):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows()))
     check_manifest(tmp_path, {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80})

@@ -6,8 +6,8 @@
 * ``kv_memory_vs_length.png``: peak KV memory against sequence length, one series per cell, or
   per budget in large grids (the memory figure of LazyEviction: a full cache grows with the
   output, a budget does not).
-* ``generated_length.png``: distribution of generated lengths per cell (compression often
-  makes reasoning longer: SkipKV, Observation 3).
+* ``generated_length.png``: distribution of generated lengths per cell, a panel per budget with
+  ``full`` in each (compression often makes reasoning longer: SkipKV, Observation 3).
 """
 
 from __future__ import annotations
@@ -178,23 +178,45 @@ def kv_memory_vs_length(rows: list[dict[str, Any]], path: Path) -> Path:
     return _save(fig, plt, path)
 
 
-def generated_length(rows: list[dict[str, Any]], path: Path, max_new_tokens: int | None = None) -> Path:
-    plt = _pyplot()
-    groups: dict[tuple, list[int]] = {}
+def length_panels(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """Panel title -> {box label: generated lengths} for ``generated_length``: a panel per budget
+    holding ``full`` (the reference) and every method at that budget, and one for methods that
+    size their own cache, if any.  Boxes sorted by name after ``full``."""
+    cells: dict[tuple, list[int]] = {}
     for row in rows:
-        groups.setdefault((row["method"], row["budget"]), []).append(row.get("generated_tokens", 0))
-    keys = sorted(groups, key=cell_order)
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(keys) + 2), 4.5))
-    ax.boxplot([groups[k] for k in keys], showmeans=True)
-    ax.set_xticks(range(1, len(keys) + 1), [k[0] if k[1] is None else f"{k[0]}@{k[1]}" for k in keys],
-                  rotation=45, ha="right")
-    title = "generated length per cell\n(triangle: mean"
-    if max_new_tokens:  # named in the title: a legend box inside the axes can hide a box's mean
-        ax.axhline(max_new_tokens, color="grey", linestyle=":")
-        title += f"; dotted: max_new_tokens={max_new_tokens}"
-    ax.set_ylabel("generated tokens")
-    ax.grid(alpha=0.3, axis="y")
-    ax.set_title(title + ")")
+        cells.setdefault((row["method"], row["budget"]), []).append(row.get("generated_tokens", 0))
+    full = cells.get(("full", None))
+    panels: dict[str, dict[str, list[int]]] = {}
+    for budget in sorted({b for _, b in cells if b is not None}):
+        panels[f"budget {budget}"] = {}
+    if any(m != "full" and b is None for m, b in cells):
+        panels["own size"] = {}
+    for panel in panels.values():
+        if full is not None:
+            panel["full"] = full
+    for method, budget in sorted(cells, key=cell_order):
+        if method != "full":
+            panels[f"budget {budget}" if budget is not None else "own size"][method] = cells[method, budget]
+    return panels or {"": {"full": full or []}}
+
+
+def generated_length(rows: list[dict[str, Any]], path: Path, max_new_tokens: int | None = None) -> Path:
+    """Horizontal boxes of generated length, a panel per budget (``length_panels``)."""
+    plt = _pyplot()
+    panels = length_panels(rows)
+    tallest = max(len(boxes) for boxes in panels.values())
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 0.3 * tallest + 1.8), squeeze=False)
+    for ax, (title, boxes) in zip(axes[0], panels.items()):
+        labels = list(boxes)[::-1]  # full at the top
+        ax.boxplot([boxes[k] for k in labels], orientation="horizontal", showmeans=True, widths=0.6)
+        ax.set_yticks(range(1, len(labels) + 1), labels, fontsize=8)
+        if max_new_tokens:
+            ax.axvline(max_new_tokens, color="grey", linestyle=":")
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_title(title)
+    cap = f"; dotted: max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+    fig.suptitle(f"generated length per cell (triangle: mean{cap})")
     return _save(fig, plt, path)
 
 
