@@ -440,6 +440,19 @@ def test_length_plot_has_a_panel_per_budget_with_full_in_each():
     assert panels["budget 64"]["tova"] == [60 + 2 * i for i in range(10)] and panels["own size"]["adaptive"] == [7]
 
 
+def test_side_by_side_table_has_a_column_group_per_budget():
+    from kvsieve.eval.report import side_by_side_table
+
+    rows = synthetic_rows()
+    # full: 8/10, mean 54.5 tokens; tova@128: 8/10, none lost; tova@64: 6/10, lost samples 6 and 7
+    assert side_by_side_table(summarize(rows)).splitlines() == [
+        "| method | 128: correct | vs full (p) | KV compr. | gen mean | 64: correct | vs full (p) | KV compr. | gen mean |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| full | 8/10 |  | 1.00x | 54 |  |  |  |  |",
+        "| tova | 8/10 | -0/+0 (1) | 1.21x | 55 | 6/10 | -2/+0 (0.5) | 2.64x | 69 |"]
+    assert side_by_side_table(summarize([r for r in rows if r["budget"] != 64])) is None  # one budget
+
+
 def test_report_files(tmp_path):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows()))
     check_manifest(tmp_path, {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80})
@@ -451,6 +464,7 @@ def test_report_files(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     md = (tmp_path / "report.md").read_text()
     assert "tiny on gsm8k" in md and "| tova | 64 | 10 | 0.600 | 0.31-0.83 | 75% |" in md
+    assert "## Side by side" in md and "| tova | 8/10 | -0/+0 (1) |" in md
     csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,budget,n,correct,accuracy,ci_low,ci_high,retained") and len(csv_lines) == 4
     with pytest.raises(ValueError, match="no result rows"):

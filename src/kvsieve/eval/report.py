@@ -185,6 +185,39 @@ def markdown_table(summaries: list[CellSummary]) -> str:
     return "\n".join(lines)
 
 
+def side_by_side_table(summaries: list[CellSummary]) -> str | None:
+    """Markdown: a row per method, a column group per budget (largest first): correct/n, the
+    paired comparison with ``full``, KV compression and mean generated tokens.  Rows sorted by
+    accuracy at the largest budget, then the next.  None for perplexity grids or one budget."""
+    if any(s.perplexity is not None for s in summaries):
+        return None
+    budgets = sorted({s.budget for s in summaries if s.budget is not None}, reverse=True)
+    if len(budgets) < 2:
+        return None
+    cells = {(s.method, s.budget): s for s in summaries}
+    methods = sorted({s.method for s in summaries if s.budget is not None},
+                     key=lambda m: ([-(cells[m, b].accuracy or 0) if (m, b) in cells else 1 for b in budgets], m))
+    columns = ["method"] + [f"{b}: {c}" if c == "correct" else c for b in budgets
+                            for c in ("correct", "vs full (p)", "KV compr.", "gen mean")]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    full = cells.get(("full", None))
+    if full is not None:
+        lines.append("| full | " + " | ".join([f"{full.correct}/{full.n}", "", "1.00x", f"{full.mean_generated_tokens:.0f}"]
+                                               + [""] * 4 * (len(budgets) - 1)) + " |")
+    for method in methods:
+        row = [method]
+        for budget in budgets:
+            s = cells.get((method, budget))
+            if s is None:
+                row += ["-"] * 4
+                continue
+            versus = "" if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
+            row += [f"{s.correct}/{s.n}", versus, _fmt(s.kv_compression, ".2f") + ("x" if s.kv_compression else ""),
+                    f"{s.mean_generated_tokens:.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def rich_table(summaries: list[CellSummary], title: str = ""):
     from rich import box
     from rich.table import Table
@@ -252,6 +285,10 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
     files = [directory / "summary.csv", directory / "report.md"]
     write_csv(summaries, files[0])
     body = [_header(rows, manifest), markdown_table(summaries), ""]
+    wide = side_by_side_table(summaries)
+    if wide is not None:
+        body += ["## Side by side", "", "A row per method, sorted by accuracy at the largest budget, then the next.",
+                 "", wide, ""]
     if plots:
         from .plots import draw_all
 
