@@ -294,6 +294,16 @@ def test_ray_local_cluster_gives_the_same_rows(gsm_file, reference, tmp_path):
     assert {k: [r[f] for f in same] for k, r in ours.items()} == {k: [r[f] for f in same] for k, r in ref.items()}
 
 
+def test_ray_tasks_ask_for_a_gpu_when_the_cluster_has_one():
+    from kvsieve.eval.ray_backend import task_gpus
+
+    assert task_gpus(None, "auto", cluster_gpus=8) == 1.0 and task_gpus(None, "cuda:1", 8) == 1.0
+    assert task_gpus(None, "auto", cluster_gpus=0) == 0.0 and task_gpus(None, "cpu", 8) == 0.0
+    assert task_gpus(0.25, "auto", 8) == 0.25  # four tasks share a GPU
+    with pytest.raises(ValueError, match="--ray-gpus must be >= 0"):
+        task_gpus(-1, "auto", 8)
+
+
 @pytest.mark.slow
 def test_killed_process_resumes(gsm_file, tmp_path):
     """SIGKILL a real `python -m kvsieve.eval eval` mid-grid, run it again, check every row once."""

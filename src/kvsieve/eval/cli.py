@@ -73,6 +73,8 @@ def eval_command(
                    "(e.g. one per budget; run full first, alone: every process runs the cells it lacks)."),
     ray: bool = typer.Option(False, "--ray", help="Run (cell, batch) tasks on Ray (pip install ray)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: $RAY_ADDRESS, else a new local one; 'local': always a new one)."),
+    ray_gpus: Optional[float] = typer.Option(
+        None, help="GPUs per Ray task (fractions share a GPU); default: 1 on a cluster with GPUs, else 0."),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     progress: bool = typer.Option(True, help="Progress bars with ETA per cell."),
@@ -89,6 +91,8 @@ def eval_command(
     from .store import check_manifest, load_results
 
     method_list = _bad(parse_list, methods, "--methods")
+    if ray_gpus is not None and ray_gpus < 0:
+        raise typer.BadParameter(f"must be >= 0 (a fraction shares a GPU), not {ray_gpus}", param_hint="--ray-gpus")
     config = _bad(
         EvalConfig, model=model, dataset=dataset, out=str(out or Path("runs") / f"{Path(model).name}-{dataset}"),
         methods=method_list, budgets=_bad(parse_list, budgets, "--budgets", int), limit=limit, data_path=data,
@@ -108,7 +112,7 @@ def eval_command(
                                  "drop the +steer methods")
     _bad(check_manifest, config.out, config.result_fields())
     try:
-        store = run_grid(config, progress=progress, use_ray=ray, ray_address=ray_address)
+        store = run_grid(config, progress=progress, use_ray=ray, ray_address=ray_address, ray_gpus=ray_gpus)
     except SteeringModelError as err:
         raise typer.BadParameter(str(err), param_hint="--steering") from None
     console.print(rich_table(summarize(load_results(config.out)), title=f"{model} on {dataset}"))

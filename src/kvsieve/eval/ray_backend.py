@@ -36,11 +36,23 @@ def _batch_task(config: EvalConfig, cell: Cell, samples, vector=None) -> tuple[C
     return cell, run_batch(model, tokenizer, config, cell, samples, steering)
 
 
+def task_gpus(num_gpus: float | None, device: str, cluster_gpus: float) -> float:
+    """GPUs each task asks Ray for: ``num_gpus`` when given, else one GPU per task when the
+    cluster has GPUs and the model may go there (``device`` auto or cuda), else none.  Without a
+    request Ray hides the GPUs from a task, and every task would load the model onto the CPU."""
+    if num_gpus is not None:
+        if num_gpus < 0:
+            raise ValueError(f"--ray-gpus must be >= 0, not {num_gpus}")
+        return num_gpus
+    return 1.0 if cluster_gpus > 0 and (device == "auto" or device.startswith("cuda")) else 0.0
+
+
 def run_on_ray(config: EvalConfig, work, write: Callable[[Cell, list[dict]], None], address: str | None = None,
-               num_gpus: float = 0.0, init: dict[str, Any] | None = None) -> None:
+               num_gpus: float | None = None, init: dict[str, Any] | None = None) -> None:
     """Submit every pending (cell, batch) and hand each finished batch's rows to ``write``.
 
-    ``num_gpus`` is requested per task; ``init`` holds extra ``ray.init`` arguments (e.g. ``num_cpus``).
+    ``num_gpus`` is requested per task (``task_gpus``; None: one per task on a cluster with GPUs);
+    ``init`` holds extra ``ray.init`` arguments (e.g. ``num_cpus``).
     """
     try:
         import ray
@@ -52,7 +64,8 @@ def run_on_ray(config: EvalConfig, work, write: Callable[[Cell, list[dict]], Non
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env} if env else None, **(init or {}))
     try:
-        remote = ray.remote(num_gpus=num_gpus)(_batch_task)
+        gpus = task_gpus(num_gpus, config.device, ray.cluster_resources().get("GPU", 0))
+        remote = ray.remote(num_gpus=gpus)(_batch_task)
         config_ref = ray.put(config)
         vector_ref = ray.put(load_steering_vector(config))  # None without --steering
         futures = [remote.remote(config_ref, cell, batch, vector_ref)

@@ -210,7 +210,7 @@ def _progress(enabled: bool):
 
 
 def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = True, use_ray: bool = False,
-             ray_address: str | None = None, ray_init: dict | None = None,
+             ray_address: str | None = None, ray_init: dict | None = None, ray_gpus: float | None = None,
              on_row: RowCallback | None = None) -> ResultStore:
     """Run (or resume) the grid; returns the closed store (``store.path`` is this process's file).
 
@@ -251,7 +251,7 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
             if use_ray:
                 from .ray_backend import run_on_ray
 
-                run_on_ray(config, work, write, address=ray_address, init=ray_init)
+                run_on_ray(config, work, write, address=ray_address, num_gpus=ray_gpus, init=ray_init)
             else:
                 for cell, pending in work:
                     for batch in batches(pending, config.batch_size):  # rows stored as each sample ends
