@@ -156,6 +156,15 @@ def test_regrade_lists_changed_rows_and_rewrites_only_when_asked(tmp_path, gsm_f
     assert not regrade(tmp_path).changes  # idempotent
 
 
+def test_regrade_gives_a_truncated_row_no_credit_for_its_last_number(tmp_path):
+    cut = "She buys 8 more to get 18 total and then"
+    rows = [stored_row("0", cut, "18", "18", True, grader="gsm8k", finish_reason="length"),
+            stored_row("1", cut + " stops.", "18", "18", True, grader="gsm8k", finish_reason="eos")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    found = regrade(tmp_path)
+    assert [(c.key, c.after) for c in found.changes] == [(("0", "full", None), (None, False))]
+
+
 def test_regrade_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="no results files"):
         regrade(tmp_path)

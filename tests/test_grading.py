@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvsieve.grading import boxed_answers, final_answer, grade, math_equal, to_number
+from kvsieve.grading import boxed_answers, final_answer, grade, key_answer, math_equal, to_number
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -123,3 +123,113 @@ def test_unknown_grader_names_the_choices():
 def test_choice_ignores_lowercase_words_after_answer():
     assert grade("choice", "The answer is a bit subtle, so Answer: D", "D").correct
     assert grade("choice", "the answer is a bit subtle", "A").extracted is None
+
+
+# ---------------------------------------------------------------------------- variables are not units
+@pytest.mark.parametrize("text,reference", [
+    ("\\boxed{2x}", "2"), ("\\boxed{3i}", "3"), ("\\boxed{4 x y}", "4"),
+    ("\\boxed{2}", "2k"),  # a MATH-500 reference with a variable
+])
+def test_math_letters_are_variables_not_units(text, reference):
+    assert not grade("math", text, reference).correct
+
+
+@pytest.mark.parametrize("text,reference", [
+    ("\\boxed{\\dfrac{1}{2}}", "0.5"), ("\\boxed{033}", "33"), ("\\boxed{336^\\circ}", "336"),
+    ("\\boxed{2k}", "2k"), ("\\boxed{5 \\text{ cm}}", "5"), ("\\boxed{1\\,000}", "1000"),
+])
+def test_math_still_equal(text, reference):
+    assert grade("math", text, reference).correct
+
+
+def test_to_number_without_units_reads_letters_as_no_number():
+    assert to_number("2x", units=False) is None and to_number("18 dollars", units=False) is None
+    assert to_number("$1,000", units=False) == 1000 and to_number("2x") == 2  # gsm8k: units
+
+
+@pytest.mark.parametrize("text,reference", [
+    ("\\boxed{18 dollars}", "18"), ("\\boxed{5 cm}", "5"), ("\\boxed{\\$1,000}", "1000"), ("It costs $1,000", "1000"),
+])
+def test_gsm8k_still_drops_units(text, reference):
+    assert grade("gsm8k", text, reference).correct
+
+
+# ---------------------------------------------------------------------------- truncated generations
+CUT_OFF = "She has 10 apples and buys 8 more to get 18 total and then"
+
+
+@pytest.mark.parametrize("kind", ["math", "gsm8k"])
+def test_truncated_text_gets_no_credit_from_its_last_number(kind):
+    assert grade(kind, CUT_OFF, "18").correct  # ended on its own: the last number is the answer
+    g = grade(kind, CUT_OFF, "18", truncated=True)
+    assert g.extracted is None and not g.correct
+
+
+@pytest.mark.parametrize("kind,text", [
+    ("math", "so \\boxed{18} and then I check that"),
+    ("math", "Therefore, the answer is 18. Let me double check: 10 + 8"),
+    ("gsm8k", "so \\boxed{18} and then I check that"),
+    ("gsm8k", "10 + 8 = 18\n#### 18\nNow, another way to"),
+    ("gsm8k", "The final answer is 18.\n\nTo verify, 10 + 8"),
+])
+def test_truncated_text_keeps_an_explicit_answer(kind, text):
+    assert grade(kind, text, "18", truncated=True).correct
+
+
+@pytest.mark.parametrize("kind,text", [
+    ("math", "Thus the answer is 1"),  # maybe the start of 18
+    ("gsm8k", "so 10 + 8 = 18\n#### 1"),
+    ("gsm8k", "so \\boxed{1"),
+])
+def test_truncated_text_does_not_count_an_answer_it_ends_inside(kind, text):
+    assert grade(kind, text, "1", truncated=True).extracted is None
+    assert grade(kind, text, "1").correct  # the same text ended by eos has answered 1
+
+
+@pytest.mark.parametrize("text,reference,explicit", [
+    ("**Answer:** B\n\nbecause the", "B", True),
+    ("Let me compare the options.\n**B**", "B", False),  # a final line: a fallback
+    ("In 2 steps: the pass key is 71432. So", "71432", True),
+    ("The key must be 71432 then", "71432", True),  # retrieval: the key appearing is the answer
+    ("71432 71432 71432 7143", "71432", True),  # repeated until the limit
+    ("I would guess 71432", "71432", False),  # a number the text ends inside (maybe 714321)
+])
+def test_truncated_choice_needs_an_explicit_answer_and_exact_the_key(text, reference, explicit):
+    kind = "exact" if reference.isdigit() else "choice"
+    assert grade(kind, text, reference).correct
+    assert grade(kind, text, reference, truncated=True).correct is explicit
+
+
+# ---------------------------------------------------------------------------- choice formats
+@pytest.mark.parametrize("text,expected", [
+    ("Reasoning...\n**Answer:** B", "B"),
+    ("Comparing the options, only one fits.\n\n**B**", "B"),
+    ("So the final answer:\n\n(B)", "B"),
+    ("Answer: b", "B"),
+    ("\\boxed{\\mathrm{B}}", "B"),
+    ("\\boxed{\\text{(B)}}", "B"),
+    ("Answer: I think B", "B"),  # "I" is no option
+    ("Answer: B. On reflection, the answer is: C", "C"),  # the last marker
+    ("The answer is C, not A.\nA bit more thought confirms it.", "C"),  # "A bit": no final-line letter
+    ("A bit more thought is needed.", None),
+    ("\\boxed{E}", None),  # A-D only
+])
+def test_choice_formats(text, expected):
+    assert grade("choice", text, expected or "A").extracted == expected
+
+
+# ---------------------------------------------------------------------------- passkey numbers
+@pytest.mark.parametrize("text,reference,expected", [
+    ("In 2 steps: the pass key is 71432", "71432", "71432"),
+    ("The passkey is: 71432.", "71432", "71432"),
+    ("The special magic number for quiet-lake is: 4821937.", "4821937", "4821937"),
+    ("After 3 reads I found 71432, not 9.", "71432", "71432"),  # as many digits as the reference
+    ("I counted 9 and then 12", "71432", "12"),  # else the last number
+])
+def test_key_answer(text, reference, expected):
+    assert key_answer(text, reference) == expected
+
+
+def test_exact_grades_the_pass_key_not_the_first_number():
+    g = grade("exact", "In 2 steps: the pass key is 71432", "71432")
+    assert g.extracted == "71432" and g.correct

@@ -1,17 +1,31 @@
 """Answer extraction and checking.
 
-One function per grader kind (``Sample.grader``), each ``(text, reference) -> Grade``:
+One function per grader kind (``Sample.grader``), each ``(text, reference, *, truncated) -> Grade``:
 
 * ``math``: the last ``\\boxed{}`` (else an "answer is ..." phrase, else the last number),
   compared with ``math-verify`` (LaTeX or plain, fractions, sets, intervals; AIME's zero padding
-  ``033`` equals ``33``).
-* ``gsm8k``: the same extraction, compared as numbers (commas, ``$``, units and trailing
-  periods dropped), with ``math-verify`` as a fallback for non-decimal forms such as ``\\frac{3}{2}``.
-* ``choice``: an option letter, from the box or a final "Answer: X" line.
-* ``exact``: passkey / needle, the first number of the answer equals the reference exactly.
+  ``033`` equals ``33``).  Letters are variables, not units: ``2x`` is not ``2`` and ``2`` is not
+  ``2k``; only units inside ``\\text{}`` (``5 \\text{ cm}``) are dropped, by math-verify.
+* ``gsm8k``: the same extraction (and GSM8K's own ``#### 18``), compared as numbers (commas,
+  ``$``, unit words such as ``18 dollars`` and trailing periods dropped), with ``math-verify`` as
+  a fallback for non-decimal forms such as ``\\frac{3}{2}``.
+* ``choice``: an option letter (A-D), tried in order: the last box, the last explicit answer
+  marker (``Answer: B``, ``**Answer:** B``, ``the correct option is (C)``), a final line holding
+  the letter alone (``**B**``, ``(B)``).
+* ``exact``: passkey / needle, a number equal to the reference exactly: the one after "pass key
+  is" / "magic number is" / "the number is", else one with as many digits as the reference,
+  else the last number.  A truncated answer keeps the first two (a key repeated until the token
+  limit has been retrieved), minus a number the text ends inside.
 
 Several boxed answers: the last one counts (the model's final word).  No answer: ``extracted``
 is None and the grade is wrong.
+
+Truncated generations (``truncated=True``: the generation hit the token limit): a model cut off
+mid-reasoning has not answered, so only an explicit answer counts (a box, an answer phrase,
+``####``, an answer marker), never a fallback (the last number, a final line); and not an
+answer the text ends inside (``the answer is 1`` may be the start of ``18``, as ``\\boxed{1``
+may).  ``exact`` is the exception noted above.
+Texts that ended on their own (eos, a stop string) keep the fallbacks.
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ _ANSWER_PHRASE = re.compile(
     r"(?:final answer|the answer|answer)\s*(?:is|:)\s*[:\s]*\$?\s*(?P<ans>[^\n$]+?)\s*\$?\s*(?:\.\s|\.?$|\n)",
     re.IGNORECASE | re.MULTILINE)
 _UNCLOSED_END = re.compile(r"\\\)|\\\]|\$|\n")
+_HASHES = re.compile(r"####\s*(?P<ans>[^\n]+)")  # GSM8K's own answer line
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -66,27 +82,47 @@ def boxed_answers(text: str) -> list[str]:
     return [f for f in found if f]
 
 
-def final_answer(text: str) -> str | None:
+def marked_answers(pattern: re.Pattern, text: str, truncated: bool = False) -> list[str]:
+    """The ``ans`` group of every match of ``pattern`` in ``text``, in order; for a ``truncated``
+    text, not one the text ends inside (``the answer is 1`` cut off may be the start of 18)."""
+    return [m.group("ans").strip() for m in pattern.finditer(text)
+            if not (truncated and m.end("ans") == len(text))]
+
+
+def final_answer(text: str, truncated: bool = False) -> str | None:
     """The last boxed answer, else the last "answer is X" / "Answer: X" phrase, else None."""
     boxed = boxed_answers(text)
     if boxed:
         return boxed[-1]
-    phrases = [m.group("ans").strip() for m in _ANSWER_PHRASE.finditer(text)]
+    phrases = marked_answers(_ANSWER_PHRASE, text, truncated)
     return phrases[-1] if phrases else None
 
 
 def last_number(text: str) -> str | None:
+    """The last number in ``text`` (``1,234`` ``-3.5``), else None."""
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
+def unmarked_answer(text: str, truncated: bool = False) -> str | None:
+    """The answer of a text with no explicit one: its last number, unless it was ``truncated``
+    (a model cut off mid-reasoning has not answered; its last number is where it stopped)."""
+    return None if truncated else last_number(text)
+
+
 # ---------------------------------------------------------------------------- numbers
-def to_number(answer: str) -> Fraction | None:
-    """A plain decimal answer as an exact fraction (``1,234`` ``$18.00`` ``18 dollars`` ``5\\%``), else None."""
+def to_number(answer: str, units: bool = True) -> Fraction | None:
+    """A plain decimal answer as an exact fraction (``1,234`` ``$18.00`` ``5\\%``), else None.
+
+    With ``units`` (GSM8K), trailing words are dropped as units (``18 dollars``, ``5 cm``); without
+    (MATH), letters are variables and ``2x`` is no number.
+    """
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^}]*)\}", r" \1 ", answer)  # unwrap \text{...}
     s = re.sub(r"\\[$%]|[$%]|\\[,;!: ]|\{,\}", lambda m: "" if m.group(0) != "{,}" else ",", s)
-    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)  # thousands separators
-    s = re.sub(r"(?:\s*[a-zA-Z]+\.?)+$", "", s.strip().rstrip(".")).strip()  # trailing unit words
+    s = _THOUSANDS.sub("", s).strip().rstrip(".")
+    if units:
+        s = re.sub(r"(?:\s*[a-zA-Z]+\.?)+$", "", s)  # trailing unit words
+    s = s.strip()
     if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", s):
         return None
     return Fraction(s)
@@ -99,10 +135,11 @@ def _timeout() -> int | None:
 
 
 def math_equal(candidate: str, reference: str) -> bool:
-    """Is ``candidate`` the same mathematical answer as ``reference``? (math-verify, numbers first)."""
+    """Is ``candidate`` the same mathematical answer as ``reference``? (math-verify, plain numbers first;
+    letters are variables, so ``2x`` is not ``2``)."""
     if candidate.strip() == reference.strip():
         return True
-    a, b = to_number(candidate), to_number(reference)
+    a, b = to_number(candidate, units=False), to_number(reference, units=False)
     if a is not None and b is not None:
         return a == b
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -117,15 +154,18 @@ def math_equal(candidate: str, reference: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- graders
-def grade_math(text: str, reference: str) -> Grade:
-    answer = final_answer(text) or last_number(text)
+def grade_math(text: str, reference: str, *, truncated: bool = False) -> Grade:
+    """MATH / AIME: the final answer (box, phrase, else the last number) against ``reference`` (``math_equal``)."""
+    answer = final_answer(text, truncated) or unmarked_answer(text, truncated)
     return Grade(answer, answer is not None and math_equal(answer, reference))
 
 
-def grade_gsm8k(text: str, reference: str) -> Grade:
+def grade_gsm8k(text: str, reference: str, *, truncated: bool = False) -> Grade:
+    """GSM8K: the box, ``####``, phrase, else the last number, read as a number (units dropped)."""
     boxed = boxed_answers(text)
-    hashes = re.findall(r"####\s*([^\n]+)", text)
-    answer = boxed[-1] if boxed else hashes[-1].strip() if hashes else final_answer(text) or last_number(text)
+    hashes = marked_answers(_HASHES, text, truncated)
+    answer = (boxed[-1] if boxed else hashes[-1] if hashes
+              else final_answer(text, truncated) or unmarked_answer(text, truncated))
     if answer is None:
         return Grade(None, False)
     number, ref = to_number(answer), to_number(reference)
@@ -137,31 +177,73 @@ def grade_gsm8k(text: str, reference: str) -> Grade:
     return Grade(answer, math_equal(answer, reference))
 
 
-_LETTER_IN_BOX = re.compile(r"^\(?\s*(?:\\text(?:bf)?\{\s*)?\(?([A-Z])\)?\s*\}?\s*\)?(?:[\s:.)].*)?$", re.DOTALL)
-_LETTER_LINE = re.compile(r"(?i:answer|option|choice)\s*(?i:is)?\s*[:\s]\s*\**\(?([A-Z])\b\)?")  # letter: capital
+OPTION_LETTERS = "ABCD"  # GPQA's four; a grader is not told a sample's option count
+_LATEX_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")  # \text{(B)} -> (B)
+_LONE_LETTER = re.compile(rf"[\W_]*([{OPTION_LETTERS}])[\W_]*", re.IGNORECASE)  # "b", "**B**", "(B)."
+_CAPITAL_LETTER = re.compile(rf"(?<![A-Za-z\\])([{OPTION_LETTERS}])(?![A-Za-z])")  # "I think B": B
+_ANSWER_MARKER = re.compile(r"\b(?:answer|option|choice)\**\s*(?:is\b|:)[\s:*]*(?=(?P<ans>[^\n]*))",
+                            re.IGNORECASE)  # "Answer: B", "**Answer:** B", "the correct option is (C)"
 
 
-def grade_choice(text: str, reference: str) -> Grade:
-    letter = None
+def option_letter(snippet: str) -> str | None:
+    """The option letter ``snippet`` names: the snippet is the letter alone (any case, up to
+    brackets, bold and a period), else its first capital option letter standing alone."""
+    snippet = _LATEX_WRAPPER.sub(r"\1", snippet)
+    match = _LONE_LETTER.fullmatch(snippet) or _CAPITAL_LETTER.search(snippet)
+    return match.group(1).upper() if match else None
+
+
+def choice_answer(text: str, truncated: bool = False) -> str | None:
+    """The option letter of ``text``: from the last box, else the last answer marker that names
+    one, else (unless ``truncated``) a final line holding the letter alone (``**B**``, ``(B)``)."""
     boxed = boxed_answers(text)
-    if boxed:
-        match = _LETTER_IN_BOX.match(boxed[-1])
-        letter = match.group(1) if match else None
-    if letter is None:
-        lines = _LETTER_LINE.findall(text)
-        letter = lines[-1] if lines else None
+    explicit = boxed[-1:] + marked_answers(_ANSWER_MARKER, text, truncated)[::-1]
+    letter = next(filter(None, map(option_letter, explicit)), None)
+    if letter is None and not truncated and text.strip():
+        lone = _LONE_LETTER.fullmatch(text.strip().splitlines()[-1])
+        letter = lone.group(1).upper() if lone else None
+    return letter
+
+
+def grade_choice(text: str, reference: str, *, truncated: bool = False) -> Grade:
+    """Multiple choice: ``choice_answer``'s letter against the reference letter."""
+    letter = choice_answer(text, truncated)
     return Grade(letter, letter is not None and letter == reference.strip().upper())
 
 
-def grade_exact(text: str, reference: str) -> Grade:
+_KEY_PHRASE = re.compile(
+    r"(?:pass[\s-]?key|(?:magic|the) number)(?:\s+for\s+[^\n]*?)?\s+is\b[\s:*$]*(?P<ans>\d+)",
+    re.IGNORECASE)  # "the pass key is 71432", "the magic number for X is: 123"
+
+
+def key_answer(text: str, reference: str, truncated: bool = False) -> str | None:
+    """The number a passkey / needle answer gives: the last after "pass key is" (and the like),
+    else the last with as many digits as ``reference``, else (unless ``truncated``) the last.
+
+    A key repeated until the token limit (``71432 71432 7143``) still answers: retrieval is
+    graded on the key appearing, so only a number the truncated text ends inside is dropped."""
+    text = _THOUSANDS.sub("", text)
+    phrased = marked_answers(_KEY_PHRASE, text, truncated)
+    numbers = [m.group() for m in re.finditer(r"\d+", text) if not (truncated and m.end() == len(text))]
+    sized = [n for n in numbers if len(n) == len(reference.strip())]
+    for found in [phrased, sized] if truncated else [phrased, sized, numbers]:
+        if found:
+            return found[-1]
+    return None
+
+
+def grade_exact(text: str, reference: str, *, truncated: bool = False) -> Grade:
+    """Passkey / needle: ``key_answer`` of the last box (else the whole text) equals ``reference``."""
     boxed = boxed_answers(text)
     source = boxed[-1] if boxed else text
-    numbers = re.findall(r"\d+", source.replace(",", ""))
-    answer = numbers[0] if numbers else (source.strip() or None)
+    if not re.search(r"\d", source):  # no number at all: what the model said, for the record
+        answer = source.strip() or None
+    else:
+        answer = key_answer(source, reference, truncated and not boxed)  # a box is explicit
     return Grade(answer, answer is not None and answer == reference.strip())
 
 
-GRADERS: dict[str, Callable[[str, str], Grade]] = {
+GRADERS: dict[str, Callable[..., Grade]] = {
     "math": grade_math,
     "gsm8k": grade_gsm8k,
     "choice": grade_choice,
@@ -169,8 +251,9 @@ GRADERS: dict[str, Callable[[str, str], Grade]] = {
 }
 
 
-def grade(kind: str, text: str, reference: str) -> Grade:
-    """Grade ``text`` against ``reference`` with the grader ``kind`` (a ``Sample.grader``)."""
+def grade(kind: str, text: str, reference: str, *, truncated: bool = False) -> Grade:
+    """Grade ``text`` against ``reference`` with the grader ``kind`` (a ``Sample.grader``);
+    ``truncated``: the generation hit the token limit, so only an explicit answer counts."""
     if kind not in GRADERS:
         raise ValueError(f"no answer grader for {kind!r}; graders: {', '.join(GRADERS)}")
-    return GRADERS[kind](text, reference)
+    return GRADERS[kind](text, reference, truncated=truncated)

@@ -93,7 +93,7 @@ def _regrade_rows(path: Path, rows: list[dict], fallback: str | None, found: Reg
         if kind is None:
             raise ValueError(f"{path}: row {row_key(row)} has no 'grader' and run.json's data set cannot be "
                              f"loaded to tell it; pass --grader ({', '.join(GRADERS)})")
-        graded = grade(kind, row["text"], row["reference"])
+        graded = grade(kind, row["text"], row["reference"], truncated=row.get("finish_reason") == "length")
         found.graded += 1
         before, after = (row.get("extracted"), row.get("correct")), (graded.extracted, graded.correct)
         if before != after:

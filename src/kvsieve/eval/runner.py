@@ -134,7 +134,7 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
 
     def finished(index: int, text: str, stat, settings: dict) -> None:
         sample = samples[index]
-        graded = grade(sample.grader, text, sample.reference)
+        graded = grade(sample.grader, text, sample.reference, truncated=stat.finish_reason == "length")
         rows[index] = {**_base_row(config, cell, sample, settings, kv_heads), **_stat_fields(stat),
                        "batch_size": len(samples), "text": text, "extracted": graded.extracted,
                        "correct": graded.correct, "runtime": runtime}
