@@ -228,6 +228,23 @@ def test_restart_skips_finished_rows(smollm, gsm_file, reference, tmp_path):
         run_grid(tiny_config(out, gsm_file, max_new_tokens=8), model, tok, progress=False)
 
 
+def test_resume_refuses_samples_whose_prompt_changed(smollm, reference, tmp_path):
+    """An edited data file (or template, or generated set) makes an id name another prompt: a
+    resumed run refuses instead of mixing rows of two prompts under one id."""
+    model, tok = smollm
+    edited = tmp_path / "gsm.jsonl"
+    edited.write_text("".join(json.dumps(dict(r, question=r["question"] + " Explain.")) + "\n" for r in GSM_ROWS),
+                      encoding="utf-8")
+    out = tmp_path / "run"
+    out.mkdir()
+    partial = [r for r in reference if (r["id"], r["method"]) != ("1", "tova")]  # a sample left to run
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in partial), encoding="utf-8")
+    assert all(len(r["prompt_sha256"]) == 16 for r in partial)
+    with pytest.raises(ValueError, match=r"sample\(s\) 0, 1 whose prompt or reference has changed"):
+        run_grid(tiny_config(out, str(edited)), model, tok, progress=False)
+    assert len(load_results(out)) == len(partial)  # nothing written
+
+
 def test_resume_refuses_a_cell_whose_method_settings_changed(smollm, gsm_file, reference, tmp_path):
     """Rows written under another default (here: tova's interval, as if a release changed it) are
     not silently joined by rows under the new one; a finished cell is left alone."""

@@ -9,6 +9,7 @@ is stored while its batch goes on).  Restarting the same command resumes where i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from contextlib import nullcontext
@@ -66,9 +67,28 @@ def _kv_heads(model) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
+def prompt_digest(sample: Sample) -> str:
+    """A short hash of what the model is given and graded against (messages, reference, and a
+    perplexity sample's text), so a resumed run can tell that an id now names another prompt."""
+    content = [sample.messages, sample.reference, sample.metadata.get("text")]
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def check_prompts(config: EvalConfig, samples: list[Sample], stored: dict[str, str]) -> None:
+    """Refuse to resume when a sample's prompt differs from the one its stored rows ran on (an
+    edited data file, a changed template or generated set): the rows would mix two prompts
+    under one id.  Rows written before rows carried ``prompt_sha256`` are not checked."""
+    changed = [s.id for s in samples if s.id in stored and stored[s.id] != prompt_digest(s)]
+    if changed:
+        raise ValueError(f"{config.out} has rows for sample(s) {', '.join(changed[:5])}"
+                         f"{' ...' if len(changed) > 5 else ''} whose prompt or reference has changed since "
+                         "(data file, prompt template or generated data set); use another --out directory")
+
+
 def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv_heads: int) -> dict[str, Any]:
     return {"id": sample.id, "dataset": config.dataset, "model": config.model, "method": cell[0], "budget": cell[1],
-            "settings": settings, "reference": sample.reference, "grader": sample.grader, "kv_heads": kv_heads}
+            "settings": settings, "reference": sample.reference, "grader": sample.grader, "kv_heads": kv_heads,
+            "prompt_sha256": prompt_digest(sample)}
 
 
 def _runtime(model) -> dict[str, Any]:
@@ -226,6 +246,7 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
         if todo == 0:
             return store
         check_cell_settings(config, store.cell_settings, work)
+        check_prompts(config, samples, store.prompts)
         if model is None and not use_ray:
             from ..models import load_model
 

@@ -146,6 +146,8 @@ class ResultStore:
         self.cell_settings: dict[tuple, dict] = {}
         for row in rows:
             self.cell_settings.setdefault((row["method"], row["budget"]), row.get("settings") or {})
+        # sample id -> the prompt hash its rows ran on (runner.check_prompts)
+        self.prompts: dict[str, str] = {row["id"]: row["prompt_sha256"] for row in rows if "prompt_sha256" in row}
         self._file = open(self.path, "a", encoding="utf-8")
 
     def append(self, row: dict[str, Any]) -> bool:
