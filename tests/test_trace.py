@@ -193,3 +193,7 @@ def test_analyze_trace_command_writes_the_trace_and_its_heatmap(smollm, tmp_path
     assert redrawn.exit_code == 0 and (out / "trace-layer0.png").exists(), redrawn.output
     bad = CliRunner().invoke(app, ["analyze", "trace", "--data", str(data), "--sample", "5", "--out", str(out)])
     assert bad.exit_code == 2 and "has only 1 samples" in bad.output
+    # data set options reach the loader, as in `kvsieve eval`
+    bad = CliRunner().invoke(app, ["analyze", "trace", "--dataset", "passkey", "--data-opt", "depth=3"],
+                             env={"COLUMNS": "200"})
+    assert bad.exit_code == 2 and "unknown option(s) ['depth']" in bad.output

@@ -156,6 +156,8 @@ def trace_command(
     model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
     dataset: str = typer.Option("gsm8k", help="Data set of the sample (see `kvsieve eval --help`)."),
     data: Optional[str] = typer.Option(None, help="Local data file or directory."),
+    data_opt: List[str] = typer.Option([], "--data-opt", help="Data set option key=value, as for `kvsieve eval`."),
+    seed: int = typer.Option(0, help="Data seed, as for `kvsieve eval` (GPQA's option order, generated sets)."),
     sample: int = typer.Option(0, help="Index of the sample in the data set."),
     method: str = typer.Option("tova", help="Eviction method to trace."),
     budget: Optional[int] = typer.Option(128, help="KV budget (tokens per kv head)."),
@@ -180,7 +182,8 @@ def trace_command(
         from ..methods import make_policy
         from ..models import load_model
 
-        samples = _bad(load_dataset, dataset, path=data, limit=sample + 1)
+        samples = _bad(load_dataset, dataset, path=data, limit=sample + 1, seed=seed,
+                       **_pairs(data_opt, "--data-opt"))  # the sample `kvsieve eval` runs with these
         if sample >= len(samples):
             raise typer.BadParameter(f"--sample {sample}: {dataset} has only {len(samples)} samples")
         policy = _bad(make_policy, method, budget=budget, **_pairs(set_, "--set"))
