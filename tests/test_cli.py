@@ -112,3 +112,12 @@ def test_steering_build_is_reachable_from_the_kvsieve_cli():
     assert ok.exit_code == 0 and "--samples" in ok.output and "--out" in ok.output
     bad = runner.invoke(app, ["steering", "nope"])
     assert bad.exit_code != 0
+
+
+def test_demo_grades_with_the_eval_grader(smollm):
+    """The demo's table on the bundled model; a 6-token answer is cut off, so no mark comes from a
+    stray number (the GSM8K grader's rule for truncated text)."""
+    result = runner.invoke(app, ["demo", "--methods", "full,tova", "--budget", "16", "--max-new-tokens", "6"],
+                           env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "full" in result.output and "tova" in result.output and "0/3" in result.output

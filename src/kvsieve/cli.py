@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .demo import DEMO_METHODS, INSTRUCTION, PROBLEMS
+
 app = typer.Typer(help="kvsieve: bounded KV caches for long generation.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes: do not squeeze tables
@@ -153,15 +155,15 @@ def generate(
 def demo(
     model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
     budget: int = typer.Option(64, help="KV tokens per (row, kv head) for the eviction methods."),
-    methods_: str = typer.Option(",".join(("full", "streaming", "tova", "h2o", "rkv")), "--methods",
+    methods_: str = typer.Option(",".join(DEMO_METHODS), "--methods",
                                  help="Comma-separated methods to compare."),
     max_new_tokens: int = typer.Option(160),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
 ):
     """Three grade-school word problems: full cache vs eviction methods, side by side."""
-    from .demo import INSTRUCTION, PROBLEMS, final_number
     from .generate import GenerateConfig, generate as run_generate
+    from .grading import grade
 
     names = [m.strip() for m in methods_.split(",") if m.strip()]
     policies = [_policy(m, None if m == "full" else budget, "uniform", None, None, None, {}) for m in names]
@@ -176,7 +178,8 @@ def demo(
     for policy in policies:
         console.print(f"running [bold]{policy.name}[/] ...")
         result = run_generate(lm, tokenizer, prompts, policy, config)
-        marks = [final_number(t) == float(ans) for t, (_, ans) in zip(result.texts, PROBLEMS)]
+        marks = [grade("gsm8k", text, str(answer), truncated=stat.finish_reason == "length").correct
+                 for text, stat, (_, answer) in zip(result.texts, result.stats, PROBLEMS)]
         peak = max(s.peak_kv_bytes for s in result.stats)
         full_bytes = peak if policy.name == "full" else full_bytes
         ratio = f"{peak / full_bytes:.2f}x" if full_bytes else "-"
