@@ -36,7 +36,7 @@ test-gpu:
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
 
 bench: setup
-	$(PY) benchmarks/bench_engine.py
+	$(VENV)/bin/kvsieve bench engine
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
