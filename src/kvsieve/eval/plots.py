@@ -79,11 +79,11 @@ def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
         fig.suptitle(f"{'perplexity' if use_ppl else 'accuracy (95% Wilson CI)'} vs KV budget, "
                      f"one panel per method, best first; dashed: full")
         fig.supxlabel("KV budget (tokens per kv head)")
+    style = {method: i for i, method in enumerate(sorted(series))}  # a method looks the same in either layout
     for ax, methods, title in panels:
         _draw_references(ax, references, use_ppl)
         for slot, method in enumerate(methods):
-            style = sorted(series).index(method)  # a method looks the same in either layout
-            _draw_series(ax, series[method], method, style, slot, len(methods), use_ppl, plt)
+            _draw_series(ax, series[method], method, style[method], slot, len(methods), use_ppl, plt)
         if budgets:
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])

@@ -152,6 +152,15 @@ COLUMNS = ("method", "budget", "n", "accuracy", "95% CI", "retained", "vs full (
            "peak KV MiB", "peak live/head", "events", "tok/s")
 
 
+def _versus_full(s: CellSummary, missing: str) -> str:
+    """``-lost/+gained (p)`` against ``full``, or ``missing`` for a cell without a pairing."""
+    return missing if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
+
+
+def _compression_text(s: CellSummary) -> str:
+    return _fmt(s.kv_compression, ".2f") + ("x" if s.kv_compression else "")
+
+
 def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     """Column names and formatted cells, shared by markdown and the terminal table
     (perplexity replaces accuracy for the ``text`` data set)."""
@@ -163,9 +172,8 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             quality: tuple[str, ...] = (_fmt(s.perplexity, ".3f"),)
         else:
             ci = f"{s.ci_low:.2f}-{s.ci_high:.2f}" if s.ci_low is not None else "-"
-            versus = "-" if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
-            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"), versus)
-        compression = _fmt(s.kv_compression, ".2f") + ("x" if s.kv_compression else "")
+            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"), _versus_full(s, "-"))
+        compression = _compression_text(s)
         if s.compression_events is None:
             events = "-"
         elif s.budget is not None and not s.compressed_share:
@@ -211,9 +219,7 @@ def side_by_side_table(summaries: list[CellSummary]) -> str | None:
             if s is None:
                 row += ["-"] * 4
                 continue
-            versus = "" if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
-            row += [f"{s.correct}/{s.n}", versus, _fmt(s.kv_compression, ".2f") + ("x" if s.kv_compression else ""),
-                    f"{s.mean_generated_tokens:.0f}"]
+            row += [f"{s.correct}/{s.n}", _versus_full(s, ""), _compression_text(s), f"{s.mean_generated_tokens:.0f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
