@@ -2,37 +2,83 @@
 # Issue 6's accuracy grid: Qwen2.5-Coder-1.5B (bundled, fp32), the first 30 GSM8K test problems,
 # full plus every registered method at budgets 256 and 128, 512 new tokens, greedy.
 #
-# Resumable: run it again after a crash or a stop and finished rows are skipped. The rows live in
-# results/ (tracked by git, so a fresh checkout keeps them). On the 2-core CPU a cell of 30
+# The (method, budget) cells form one queue that WORKERS 1-thread processes take from in order
+# (a cell is claimed by creating $OUT/.queue/<cell>), so neither process idles while the other
+# still has a long list. Resumable: run it again after a crash or a stop; cells with all their rows
+# are skipped without loading the model and a half-done cell continues where it stopped. The rows
+# live in results/ (tracked by git, so a fresh checkout keeps them). On the 2-core CPU a cell of 30
 # problems takes ~15-25 min per process; the whole grid is several CPU-hours.
 #
-#   scripts/gsm8k_grid.sh            # full first, then one 1-thread process per budget
+#   scripts/gsm8k_grid.sh            # full first, then the queue
 #   kvsieve report results/gsm8k-qwen2.5-coder-1.5b
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gsm8k-qwen2.5-coder-1.5b}
 STEER=${STEER:-results/steer-qwen2.5-coder-1.5b.pt}
 KVSIEVE=${KVSIEVE:-.venv/bin/kvsieve}
-# The five seed methods first, then the baselines (each process runs its cells in this order).
-METHODS=${METHODS:-lazy,ams:tova,lagkv,skipkv,caote:tova,fastcaote:tova,tova,h2o,snapkv,rkv,expected,streaming,\
-ams:expected,ams:rkv,caote:h2o,keydiff,knorm,random,localkv,raas,lagkv-l2,skipkv+steer}
-COMMON=(--model qwen2.5-coder-1.5b --dataset gsm8k --limit 30 --max-new-tokens 512 --batch-size 30
+PYTHON=${PYTHON:-.venv/bin/python}
+WORKERS=${WORKERS:-2}
+LIMIT=30
+BUDGETS=(256 128)
+# The five seed methods first, then the baselines; each method's two budgets sit next to each other.
+METHODS=${METHODS:-lazy,ams:tova,lagkv,skipkv,skipkv+steer,caote:tova,fastcaote:tova,tova,h2o,snapkv,rkv,expected,\
+streaming,ams:expected,ams:rkv,caote:h2o,keydiff,knorm,random,localkv,raas,lagkv-l2}
+COMMON=(--model qwen2.5-coder-1.5b --dataset gsm8k --limit "$LIMIT" --max-new-tokens 512 --batch-size 30
         --out "$OUT" --no-progress)
 # AMS's Table 15 interval (512), also Expected Attention's, would never compress within 512 new
 # tokens; 64 is a quarter of the larger budget and half of the smaller.
-SETTINGS=(--set ams:tova.interval=64 --set ams:expected.interval=64 --set ams:rkv.interval=64
-          --set expected.interval=64)
+declare -A SETTINGS=([ams:tova]=interval=64 [ams:expected]=interval=64 [ams:rkv]=interval=64 [expected]=interval=64)
+
 mkdir -p "$OUT"
-if [[ ",$METHODS," == *"+steer,"* && ! -f "$STEER" ]]; then
-  echo "building the SkipKV steering vector $STEER (16 GSM8K-train answers)"
-  "$KVSIEVE" steering build --model qwen2.5-coder-1.5b --samples 16 --out "$STEER"
-fi
-steering=()
-[[ ",$METHODS," == *"+steer,"* ]] && steering=(--steering "$STEER")
-# full alone first: it is every cell's reference, and each process would otherwise run it too.
+# full alone first: it is every cell's reference.
 OMP_NUM_THREADS=2 "$KVSIEVE" eval "${COMMON[@]}" --methods full
-for budget in 256 128; do
-  OMP_NUM_THREADS=1 "$KVSIEVE" eval "${COMMON[@]}" --methods "$METHODS" --budgets "$budget" --writer "b$budget" \
-    "${SETTINGS[@]}" "${steering[@]}" > "$OUT/b$budget.log" 2>&1 &
-done
+
+# Cells that already have $LIMIT rows (in any results file) need no model load.
+complete=$("$PYTHON" - "$OUT" "$LIMIT" <<'PY'
+import collections, json, pathlib, sys
+rows = collections.Counter()
+for path in pathlib.Path(sys.argv[1]).glob("results*.jsonl"):
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[(row["method"], row["budget"])] += 1
+print(" ".join(f"{m}@{b}" for (m, b), n in rows.items() if n >= int(sys.argv[2])))
+PY
+)
+
+QUEUE="$OUT/.queue"  # claims of this invocation only: cleared at start
+rm -rf "$QUEUE" && mkdir -p "$QUEUE"
+run_cell() {  # worker tag, method, budget
+  local tag=$1 method=$2 budget=$3 extra=()
+  [[ -n "${SETTINGS[$method]:-}" ]] && extra+=(--set "$method.${SETTINGS[$method]}")
+  if [[ $method == *+steer ]]; then
+    # One worker builds the steering vector (16 GSM8K-train answers, ~10 min); another waits for it.
+    if [[ ! -f "$STEER" ]] && mkdir "$QUEUE/steering-build" 2>/dev/null; then
+      OMP_NUM_THREADS=1 "$KVSIEVE" steering build --model qwen2.5-coder-1.5b --samples 16 --out "$STEER.partial.pt" \
+        && mv "$STEER.partial.pt" "$STEER" || { touch "$QUEUE/steering-failed"; return 1; }
+    fi
+    while [[ ! -f "$STEER" ]]; do
+      [[ -e "$QUEUE/steering-failed" ]] && { echo "steering build failed: see the other worker's log"; return 1; }
+      sleep 20
+    done
+    extra+=(--steering "$STEER")
+  fi
+  echo "$(date -u +%H:%M:%S) worker $tag: $method@$budget"
+  OMP_NUM_THREADS=1 "$KVSIEVE" eval "${COMMON[@]}" --methods "$method" --budgets "$budget" --writer "$tag" "${extra[@]}"
+}
+worker() {  # tag: take the next unclaimed, incomplete cell until none is left
+  local tag=$1 method budget pass
+  for pass in first last; do  # a steered cell waits for the vector another worker builds: do others first
+    for method in ${METHODS//,/ }; do
+      for budget in "${BUDGETS[@]}"; do
+        [[ " $complete " == *" $method@$budget "* ]] && continue
+        [[ $pass == first && $method == *+steer && ! -f "$STEER" ]] && compgen -G "$QUEUE/*+steer@*" > /dev/null && continue
+        mkdir "$QUEUE/$method@$budget" 2>/dev/null || continue
+        run_cell "$tag" "$method" "$budget" >> "$OUT/$tag.log" 2>&1 || echo "$method@$budget failed: see $OUT/$tag.log"
+      done
+    done
+  done
+}
+for i in $(seq 1 "$WORKERS"); do worker "w$i" & done
 wait
+rm -rf "$QUEUE"
