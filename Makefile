@@ -26,7 +26,7 @@ demo: setup
 
 test: setup
 	$(PY) -m kvsieve.models install $(DEFAULT_MODEL)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10  # the ten slowest tests: the suite must stay under 10 min on 2 cores
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
