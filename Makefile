@@ -24,9 +24,10 @@ demo: setup
 	$(PY) -m kvsieve.models install $(DEFAULT_MODEL)
 	$(VENV)/bin/kvsieve demo --model $(DEFAULT_MODEL)
 
+# --durations: the ten slowest tests, since the suite must stay under 10 min on 2 cores
 test: setup
 	$(PY) -m kvsieve.models install $(DEFAULT_MODEL)
-	$(PY) -m pytest -q --durations=10  # the ten slowest tests: the suite must stay under 10 min on 2 cores
+	$(PY) -m pytest -q --durations=10
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

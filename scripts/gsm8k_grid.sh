@@ -14,6 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gsm8k-qwen2.5-coder-1.5b}
+# Built on first use (~16 min) and not tracked; run.json records its sha256, so eval refuses a
+# different vector for the skipkv+steer rows already written.
 STEER=${STEER:-results/steer-qwen2.5-coder-1.5b.pt}
 KVSIEVE=${KVSIEVE:-.venv/bin/kvsieve}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -34,14 +36,11 @@ mkdir -p "$OUT"
 OMP_NUM_THREADS=2 "$KVSIEVE" eval "${COMMON[@]}" --methods full
 
 # Cells that already have $LIMIT rows (in any results file) need no model load.
+# load_results is what eval resumes from: merged files, duplicates dropped, a torn last line skipped.
 complete=$("$PYTHON" - "$OUT" "$LIMIT" <<'PY'
-import collections, json, pathlib, sys
-rows = collections.Counter()
-for path in pathlib.Path(sys.argv[1]).glob("results*.jsonl"):
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[(row["method"], row["budget"])] += 1
+import collections, sys
+from kvsieve.eval.store import load_results
+rows = collections.Counter((row["method"], row["budget"]) for row in load_results(sys.argv[1]))
 print(" ".join(f"{m}@{b}" for (m, b), n in rows.items() if n >= int(sys.argv[2])))
 PY
 )
