@@ -8,7 +8,7 @@ import pytest
 
 from kvsieve import make_policy
 from kvsieve.attention import ATTN_IMPLEMENTATION
-from kvsieve.bench.overhead import append_random, filled_cache, lag_steady_state, lag_tokens_until_due, time_method
+from kvsieve.bench.overhead import append_random, filled_session, lag_steady_state, lag_tokens_until_due, time_method
 
 
 @pytest.fixture()
@@ -20,9 +20,9 @@ def model(smollm):
     model.set_attn_implementation(previous)
 
 
-def test_filled_cache_holds_length_tokens_at_the_given_positions_and_append_adds_more(model):
+def test_filled_session_holds_length_tokens_at_the_given_positions_and_append_adds_more(model):
     policy = make_policy("snapkv", budget=96)
-    cache = filled_cache(model, policy, batch=2, length=96, steps=4, first_pos=100)
+    cache = filled_session(model, policy, batch=2, length=96, steps=4, first_pos=100).cache
     layer = cache.layers[0]
     assert layer.live().sum(-1).tolist() == [[96] * 3] * 2
     assert sorted(layer.meta["pos"][0, 0][layer.live()[0, 0]].tolist()) == list(range(100, 196))
@@ -47,10 +47,10 @@ def test_lagkv_timing_compresses_one_partition_per_charged_compression(model):
 
     timed = _Timed(model, "lagkv", batch=1, length=200, steps=2, budget=None)
     assert timed.interval == 128 and timed.seen == lag_steady_state(timed.policy.scorer, 200)
-    before = int(timed.cache.layers[0].live().sum(-1).max())
+    before = int(timed.session.cache.layers[0].live().sum(-1).max())
     seconds = timed.compression()  # twice: up to the due partition, then L more; each drops L - k
-    live = int(timed.cache.layers[-1].live().sum(-1).max())
-    seen = int(timed.cache.seen_tokens[0])
+    live = int(timed.session.cache.layers[-1].live().sum(-1).max())
+    seen = int(timed.session.cache.seen_tokens[0])
     assert 0 < seconds < 60 and live == before + (seen - timed.seen) - 2 * (128 - 32)
     ours, full = time_method(model, "lagkv", batch=1, length=200, steps=2)
     assert 0 < ours < 60 and 0 < full < 60
@@ -66,7 +66,7 @@ def test_paired_timing_runs_full_and_the_method_alternately_on_their_own_caches(
 
     def spy(self):
         order.append(self.policy.name)
-        held[self.policy.name] = int(self.cache.layers[0].live().sum(-1).max())
+        held[self.policy.name] = int(self.session.cache.layers[0].live().sum(-1).max())
         return real_step(self)
 
     monkeypatch.setattr(overhead._Timed, "step", spy)
@@ -106,7 +106,7 @@ def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):
                  "Sara reads 12 pages a day for 4 days and then 7 pages on the fifth day. How many pages in all?"]
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in questions))
-    args = argparse.Namespace(dataset="gsm8k", data=str(data), samples=4, batch=2, new_tokens=4,
+    args = argparse.Namespace(compile=False, dataset="gsm8k", data=str(data), samples=4, batch=2, new_tokens=4,
                               method="streaming", budget=64)
     result = measure(model, tok, args)
     plain, grouped = result["rows"]

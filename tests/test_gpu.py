@@ -3,7 +3,7 @@
 They run on random-weight models at real shapes (``random:qwen2.5-1.5b``), because the GPU
 machine has no model hub; greedy decoding of random weights is still deterministic, which is
 all these exactness checks need.  Tolerances: token-for-token equality where the same kernels
-run on the same data (captured vs eager, budget >= length vs full); bf16 attention outputs
+run on the same data (compiled vs eager, budget >= length vs full); bf16 attention outputs
 compared at atol 2e-2 (bf16 has 8 mantissa bits).
 """
 
@@ -36,12 +36,14 @@ def test_budget_at_least_length_reproduces_full_on_cuda(model_tok, method):
     assert run(model_tok, make_policy(method, budget=4096)).token_ids == run(model_tok, None).token_ids
 
 
-@pytest.mark.parametrize("method", ["full", "tova", "h2o", "streaming"])
-def test_captured_step_gives_the_eager_tokens(model_tok, method):
+@pytest.mark.parametrize("method", ["full", "tova", "h2o", "streaming", "snapkv"])
+def test_compiled_step_gives_the_eager_tokens(model_tok, method):
+    """GenerateConfig(compile=True) on CUDA: torch.compile with mode="reduce-overhead" (CUDA graphs)."""
     policy = make_policy(method, budget=None if method == "full" else 32)
     eager = run(model_tok, policy, static_shapes=True)
-    captured = run(model_tok, policy, cuda_graph=True)
-    assert captured.token_ids == eager.token_ids
+    compiled = run(model_tok, policy, compile=True)
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats[0].compiled_steps > 0
 
 
 def test_compaction_equals_dense_gather_on_cuda():

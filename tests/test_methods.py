@@ -489,7 +489,7 @@ def test_in_place_eviction_keeps_exactly_what_the_gather_path_keeps(name, monkey
 
     kept, kept_scores = {}, {}
     for in_place in (True, False):
-        monkeypatch.setattr(policy_module, "_can_evict_in_place", lambda *a, _v=in_place: _v)
+        monkeypatch.setattr(policy_module, "can_evict_in_place", lambda *a, _v=in_place: _v)
         policy = make_policy(name, budget=6, sinks=1, recent=1, interval=3)
         built = build(3, window=policy.scorer.query_window(), meta_init=policy.scorer.meta_init,
                       observer=policy.observer(), counts=((6, 6), (6, 5)), aligned=policy.scorer.needs_aligned_heads())

@@ -91,7 +91,8 @@ class SieveLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
-                 kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = ()):
+                 kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = (), *,
+                 capacity_hint: int | None = None, query_window: int = 0, static: bool = False):
         super().__init__()
         # Per-token state a policy asked for, with the value new tokens start with.
         self.meta_init = dict(meta_init or {})
@@ -108,13 +109,13 @@ class SieveLayer(CacheLayerMixin):
         self.grow_chunk = grow_chunk
         # Capacity a bounded policy never needs to exceed (budget + compression interval):
         # growth stops there instead of overshooting by a whole grow_chunk.
-        self.capacity_hint: int | None = None
+        self.capacity_hint = capacity_hint
         self.lengths: torch.Tensor | None = None
         self.meta: dict[str, torch.Tensor] = {}
         self.capacity = 0
         self.max_len = 0
         # Recent post-RoPE queries, kept only when a policy asks for a query window.
-        self.query_window = 0
+        self.query_window = query_window
         self.recent_queries: torch.Tensor | None = None  # [B, H_q, w, D]
         self.recent_query_pos: torch.Tensor | None = None  # [B, w]
         self._query_buf: torch.Tensor | None = None  # [B, H_q, 2w, D]: the window is a view into it
@@ -127,8 +128,8 @@ class SieveLayer(CacheLayerMixin):
         self.step_results: dict[str, Any] = {}
         # Static mode (GenerateConfig.static_shapes): every tensor keeps its address between
         # reallocations (a compaction to the same capacity copies back in place, the query window
-        # is a fixed ring), so a decode step can be replayed from a captured CUDA graph.
-        self.static = False
+        # is a fixed ring), so a compiled decode step sees the same shapes every step.
+        self.static = static
 
     # ------------------------------------------------------------------ allocation
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -166,22 +167,34 @@ class SieveLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ writes
     def update(self, key_states, value_states, new_pos: torch.Tensor | None = None, *args, **kwargs):
-        """Append ``T`` new tokens per (row, head) after each head's live slots.
+        """``append`` with its host bookkeeping: make room first, count the tokens after.
 
         key_states, value_states: [B, H_kv, T, D];  new_pos: [B, T] (DEAD_POS for padding).
         Returns the whole store, ``[B, H_kv, capacity, D]`` each; attention masks dead slots.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.reserve(self.max_len + key_states.shape[2])
+        out = self.append(key_states, value_states, new_pos)
+        self.max_len += key_states.shape[2]
+        return out
+
+    def append(self, key_states, value_states, new_pos: torch.Tensor | None = None):
+        """Write ``T`` new tokens per (row, head) after each head's live slots: device work only.
+
+        It reads and writes no host state (room must have been made with ``reserve`` and
+        ``max_len`` is advanced by the caller), so a compiled decode step can contain it.
+        """
+        if not self.is_initialized:
+            raise RuntimeError("SieveLayer.append before the layer holds anything: prefill through update()")
+        if new_pos is None:
+            raise RuntimeError("SieveCache.update needs token positions: call cache.begin_step(query_pos) first")
         B, H, T, D = key_states.shape
-        self.reserve(self.max_len + T)
         self.step_results.clear()
         slot = self.lengths[:, :, None] + torch.arange(T, device=self.device)  # [B, H, T]
         key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         self.keys.scatter_(2, slot[..., None].expand(B, H, T, D), key_states)
         self.values.scatter_(2, slot[..., None].expand(B, H, T, value_states.shape[-1]), value_states)
-        if new_pos is None:
-            raise RuntimeError("SieveCache.update needs token positions: call cache.begin_step(query_pos) first")
         self.meta["pos"].scatter_(2, slot, new_pos[:, None, :].expand(B, H, T))
         for name, init in self.meta_init.items():
             self.meta[name].scatter_(2, slot, slot.new_full(slot.shape, init, dtype=torch.float32))
@@ -192,7 +205,6 @@ class SieveLayer(CacheLayerMixin):
             for name in self.kv_sums:
                 self.sums[name].add_(_live_sum(name, key_states, value_states, real))
         self.lengths += T
-        self.max_len += T
         return self.keys, self.values
 
     def remember_queries(self, query: torch.Tensor, query_pos: torch.Tensor) -> None:
@@ -273,7 +285,7 @@ class SieveLayer(CacheLayerMixin):
         self.capacity = capacity
         self.max_len = max_len
 
-    def evict(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int) -> None:
+    def evict(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int | None = None) -> None:
         """Drop a few live slots per (row, head) in place, without reallocating.
 
         ``drop_idx`` [B, H_kv, m]: candidate slots, of which the first ``drop_count`` [B, H_kv]
@@ -281,7 +293,7 @@ class SieveLayer(CacheLayerMixin):
         (slots ``length - drop_count`` .. ``length - 1``) that are not dropped move into the
         holes below the new length, so live slots stay ``0 .. length - 1``.  Costs O(m) token
         copies per head instead of ``compact``'s O(capacity).  ``max_len`` is the new host-side
-        bound on the lengths.
+        bound on the lengths (None: the caller sets it, as a compiled step does after the call).
         """
         m = drop_idx.shape[-1]
         self.step_results.clear()
@@ -306,9 +318,10 @@ class SieveLayer(CacheLayerMixin):
         for name, t in self.meta.items():
             t.masked_fill_(dead, self._fill_value(name))
         self.lengths.copy_(new_len)
-        self.max_len = max_len
+        if max_len is not None:
+            self.max_len = max_len
 
-    def _evict_one(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int) -> None:
+    def _evict_one(self, drop_idx: torch.Tensor, drop_count: torch.Tensor, max_len: int | None) -> None:
         """``evict`` with m = 1: the last live token moves into the dropped slot (a self-copy
         when it is the dropped one, or when nothing goes: drop_count 0)."""
         drop = drop_count[..., None]  # [B, H, 1], 0 or 1
@@ -318,7 +331,8 @@ class SieveLayer(CacheLayerMixin):
         for name, t in self.meta.items():
             t.scatter_(2, vacated, self._fill_value(name))
         self.lengths.sub_(drop_count)
-        self.max_len = max_len
+        if max_len is not None:
+            self.max_len = max_len
 
     def _subtract_sums(self, drop_idx: torch.Tensor, dropped: torch.Tensor) -> None:
         """Take the tokens in slots ``drop_idx`` [B, H_kv, m] where ``dropped`` out of the running sums."""
@@ -391,31 +405,75 @@ class SieveCache(Cache):
     """A cache of ``SieveLayer`` objects plus each row's true position.
 
     ``seen_tokens`` [B] counts the real tokens each row has seen, so the next token's
-    position is ``seen_tokens`` whatever the cache lengths are after eviction.
-    Call ``begin_step(query_pos)`` before every forward pass: it tells the layers the
-    positions of the tokens they are about to append.
+    position is ``seen_tokens`` whatever the cache lengths are after eviction.  Call
+    ``begin_step(query_pos)`` before every forward pass: it tells the layers the positions of
+    the tokens they are about to append.
+
+    A ``managed`` cache (the one a ``kvsieve.session.DecodeSession`` owns) leaves the host
+    bookkeeping to its owner: ``prepare(T)`` before the forward pass (room for T tokens) and
+    ``advance(T)`` after it (the host-side lengths bound), so ``update`` is device work only
+    and a compiled step can contain it.  Otherwise ``update`` does both itself.
     """
 
     def __init__(self, num_layers: int, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
-                 kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = ()):
-        super().__init__(layers=[SieveLayer(meta_init, grow_chunk, kv_fields, kv_sums) for _ in range(num_layers)])
+                 kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = (), *,
+                 capacity_hints: list[int | None] | None = None, query_window: int = 0, static: bool = False,
+                 managed: bool = False):
+        hints = capacity_hints or [None] * num_layers
+        super().__init__(layers=[SieveLayer(meta_init, grow_chunk, kv_fields, kv_sums, capacity_hint=hint,
+                                            query_window=query_window, static=static) for hint in hints])
         for index, layer in enumerate(self.layers):
             layer.layer_idx = index  # the decoder layer this store belongs to
         self.seen_tokens: torch.Tensor | None = None  # [B]
         self.query_pos: torch.Tensor | None = None  # [B, T] positions of the tokens in flight
+        self.managed = managed
 
     @classmethod
-    def for_scorer(cls, num_layers: int, scorer, grow_chunk: int = 256) -> "SieveCache":
+    def for_scorer(cls, num_layers: int, scorer, grow_chunk: int = 256, **layer_settings) -> "SieveCache":
         """A cache carrying the per-token fields and running sums ``scorer`` (None for ``full``) reads."""
         if scorer is None:
-            return cls(num_layers, grow_chunk=grow_chunk)
-        return cls(num_layers, scorer.meta_init, grow_chunk, scorer.kv_fields, scorer.kv_sums)
+            return cls(num_layers, grow_chunk=grow_chunk, **layer_settings)
+        return cls(num_layers, scorer.meta_init, grow_chunk, scorer.kv_fields, scorer.kv_sums,
+                   query_window=scorer.query_window(), **layer_settings)
+
+    @classmethod
+    def for_policy(cls, policy, num_layers: int, horizon: int, static: bool = False,
+                   grow_chunk: int = 256, managed: bool = True) -> "SieveCache":
+        """The one constructor of a decode cache: fields, sums and query window for the policy's
+        scorer, and each layer's capacity hint: never allocate past what a row of ``horizon``
+        tokens can need, budget + interval for a bounded layer, the whole row otherwise."""
+        budgets = policy.layer_budgets(num_layers)
+        interval = policy.interval if policy.scorer is not None else 0
+        hints = [horizon if b is None else min(horizon, b + interval) for b in budgets]
+        return cls.for_scorer(num_layers, policy.scorer, grow_chunk, capacity_hints=hints, static=static,
+                              managed=managed)
+
+    def prepare(self, T: int) -> bool:
+        """Make room for ``T`` more tokens in every layer (host-side); True if any layer grew."""
+        grew = False
+        for layer in self.layers:
+            if layer.is_initialized and layer.max_len + T > layer.capacity:
+                layer.reserve(layer.max_len + T)
+                grew = True
+        return grew
+
+    def advance(self, T: int) -> None:
+        """Count ``T`` appended tokens in every layer's host-side bound ``max_len``."""
+        for layer in self.layers:
+            layer.max_len += T
 
     def begin_step(self, query_pos: torch.Tensor) -> None:
         self.query_pos = query_pos
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self.query_pos)
+        layer = self.layers[layer_idx]
+        if not self.managed or not layer.is_initialized:  # the first prefill chunk: host work anyway
+            if self.managed:  # the owner advances max_len after the pass
+                layer.lazy_initialization(key_states, value_states)
+                layer.reserve(key_states.shape[2])
+            else:
+                return layer.update(key_states, value_states, self.query_pos)
+        return layer.append(key_states, value_states, self.query_pos)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for layer in self.layers:

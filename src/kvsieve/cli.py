@@ -17,6 +17,32 @@ app = typer.Typer(help="kvsieve: bounded KV caches for long generation.", no_arg
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes: do not squeeze tables
 
 
+def _version() -> str:
+    """The installed distribution's version; the source tree's when kvsieve is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvsieve")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvsieve {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+):
+    pass
+
+
 def _pairs(pairs, flag):
     from .eval.cli import _pairs as parse
 
@@ -94,6 +120,8 @@ def generate(
         None, help="Refuse, before decoding, a batch whose planned KV cache exceeds this many GiB "
                    "(the error names the largest batch that fits)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
+    compile: bool = typer.Option(False, "--compile", help="Compile the decode step (torch.compile: Inductor on "
+                                 "CPU, CUDA graphs on CUDA); compile time is reported apart from decode time."),
     steering_file: Optional[str] = typer.Option(
         None, "--steering", metavar="FILE",
         help="SkipKV adaptive steering vector (kvsieve steering build --model M --out FILE); it must "
@@ -112,7 +140,7 @@ def generate(
     try:
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop_strings=tuple(stop), prefill_chunk=prefill_chunk, progress=not as_json,
-                                kv_memory_gb=kv_memory_gb)
+                                kv_memory_gb=kv_memory_gb, compile=compile)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     if batch_size < 1:
@@ -190,7 +218,7 @@ def demo(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, overhead, memory, throughput, long or grouping")):
+def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, overhead, memory, throughput, long, grouping or compiled")):
     """Run a benchmark (pass its own options after the name; NAME --help lists them)."""
     from importlib import import_module
 
@@ -216,6 +244,19 @@ def steering(ctx: typer.Context, action: str = typer.Argument(..., help="build")
     from .steering import main as steering_main
 
     steering_main([action, *ctx.args])
+
+
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                         "help_option_names": []})
+def lm_eval(ctx: typer.Context):
+    """lm-evaluation-harness with the `kvsieve` model registered (pip install 'kvsieve\\[lmeval]'):
+    `kvsieve lm-eval run --model kvsieve --model_args pretrained=M,method=tova,budget=256 --tasks gsm8k`
+    (every lm-eval option is passed through; `kvsieve lm-eval run --help` lists them)."""
+    try:
+        from .lmeval import main as lmeval_main
+    except ImportError as err:
+        raise typer.BadParameter(str(err)) from None
+    lmeval_main(ctx.args)
 
 
 def _register_subcommands() -> None:

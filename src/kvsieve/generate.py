@@ -1,4 +1,4 @@
-"""The decode loop: prefill in chunks, then decode step, policy step and sample, then stats.
+"""``generate``: encode and pad the prompts, then prefill, decode, sample and stop, top to bottom.
 
 Token layout of a batch after left padding (P = longest prompt)::
 
@@ -7,26 +7,26 @@ Token layout of a batch after left padding (P = longest prompt)::
                                            g: generated; position = row's seen_tokens
 
 Positions count each row's real tokens, so they are never the cache length: after eviction
-the cache is shorter than the sequence.  The loop reads the device only every
-``check_every`` steps (stop conditions, streaming, dropping finished rows) and on the
-compression steps of policies whose allocation is data dependent.
+the cache is shorter than the sequence.  The model is driven by a ``DecodeSession``
+(``kvsieve.session``), which owns the cache and its steps; this loop reads the device only
+every ``check_every`` steps (stop conditions, streaming, finished rows) and on the compression
+steps of policies whose allocation is data dependent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from .attention import ATTN_IMPLEMENTATION, check_supported
-from .cache import DEAD_POS, SieveCache
-from .graphs import CapturedStep, forward_step
+from .attention import check_supported
+from .cache import DEAD_POS
 from .memory import check_fits
-from .policy import Policy, compress, drop_dead
+from .policy import Policy
 from .random_models import RANDOM_NOTE, is_random
+from .session import DecodeSession, _sync
 
 Prompt = str | list[dict]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -36,9 +36,11 @@ class GenerateConfig:
     """Decoding settings.
 
     ``temperature`` 0 is greedy.  ``check_every`` is how many decode steps pass between host
-    reads of the new tokens (stop conditions); rows may decode up to that many tokens past
-    their stop, which are discarded.  ``grow_chunk`` is how many slots an unbounded cache
-    grows by at a time.
+    reads of the new tokens (stop conditions, streaming); rows may decode up to that many
+    tokens past their stop, which are discarded.  ``grow_chunk`` is how many slots an
+    unbounded cache grows by at a time.  ``compile`` runs the decode step through
+    ``torch.compile`` (see ``kvsieve.session``); its compile time is reported apart from
+    decode time (``RowStats.compile_s``).
     """
 
     max_new_tokens: int = 256
@@ -58,8 +60,9 @@ class GenerateConfig:
     # Preallocate every layer at its final capacity (prompt + max_new_tokens for full, budget +
     # interval when bounded) and keep tensors at fixed addresses: same shapes every decode step.
     static_shapes: bool = False
-    # Replay the decode step from a CUDA graph (CUDA only; implies static_shapes).
-    cuda_graph: bool = False
+    # Compile the fixed-capacity decode step (implies static_shapes): Inductor on CPU, CUDA
+    # graphs on CUDA. Policies with per-token host hooks say so once and decode eagerly.
+    compile: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -79,7 +82,9 @@ class RowStats:
     generated_tokens: int = 0
     finish_reason: str = "length"  # "eos", "stop" or "length"
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # decoding only: compile time excluded
+    compile_s: float = 0.0  # steps that compiled a graph (GenerateConfig.compile), shared by the batch
+    compiled_steps: int = 0  # decode steps of the batch that ran compiled (0: eager throughout)
     tokens_per_s: float = 0.0
     final_kv_tokens: list[int] = field(default_factory=list)
     peak_kv_tokens: list[int] = field(default_factory=list)
@@ -156,17 +161,14 @@ def sample(logits: torch.Tensor, config: GenerateConfig, generator: torch.Genera
 
 
 # ---------------------------------------------------------------------------- the loop
-class _Run:
-    """Book-keeping of one generate call: which rows are still active and their stats."""
+class _Rows:
+    """Host side of one generate call: each original row's tokens, stop state and statistics."""
 
     def __init__(self, tokenizer, model, encoded, config, on_token, on_finish=None, settings=None):
         self.tokenizer, self.config, self.on_token = tokenizer, config, on_token
         self.on_finish, self.settings = on_finish, settings  # hand_over's callback and the policy settings
         self.stats = [RowStats(prompt_tokens=len(ids)) for ids in encoded]
         self.tokens: list[list[int]] = [[] for _ in encoded]
-        self.active = list(range(len(encoded)))  # original row index of each cache row
-        self.rows = torch.arange(len(encoded), device=model.device)  # the same, on the device
-        self.on_tokens: list[Callable] = []  # attach() callbacks, called before every forward
         eos = {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))}
         self.eos_ids = set() if config.ignore_eos else {t for t in eos if t is not None}
 
@@ -177,16 +179,13 @@ class _Run:
             seq = seq[:-1]
         return _cut_at_stop(self.tokenizer.decode(seq, skip_special_tokens=True), self.config.stop_strings)
 
-    def hand_over(self, rows: list[int]) -> None:
-        """Give each finished row (an original row index) to ``on_finish`` with its text and stats."""
-        if self.on_finish is not None:
-            for row in rows:
-                self.on_finish(row, self.text(row), self.stats[row], self.settings)
-
-    def take(self, new_tokens: list[list[int]]) -> list[int]:
-        """Append host copies of new tokens; return cache rows that finished."""
+    def take(self, slots: list[int | None], new_tokens: list[list[int]]) -> list[int]:
+        """Append host copies of new tokens (one list per cache row; ``slots`` maps cache rows
+        to original rows, None for a finished filler row); return the cache rows that finished."""
         finished = []
-        for cache_row, (row, new) in enumerate(zip(self.active, new_tokens)):
+        for cache_row, (row, new) in enumerate(zip(slots, new_tokens)):
+            if row is None:
+                continue
             stat, seq, start = self.stats[row], self.tokens[row], len(self.tokens[row])
             for tok in new:
                 seq.append(tok)
@@ -202,25 +201,29 @@ class _Run:
                 finished.append(cache_row)
         return finished
 
+    def finish(self, session: DecodeSession, cache_rows: list[int], decode_start: float) -> None:
+        """Fill in the statistics of the rows in ``cache_rows`` and hand them to ``on_finish``."""
+        final, peak = session.row_kv_tokens(cache_rows)
+        decode_s = time.perf_counter() - decode_start - session.compile_s
+        for cache_row, final_tokens, peak_tokens in zip(cache_rows, final, peak):
+            row = session.slots[cache_row]
+            stat = self.stats[row]
+            stat.final_kv_tokens, stat.peak_kv_tokens = final_tokens, peak_tokens
+            stat.peak_kv_bytes = session.peak_kv_bytes[row]
+            stat.compression_events = session.compression_events[row]
+            stat.generated_tokens = len(self.tokens[row])
+            stat.decode_s, stat.compile_s, stat.compiled_steps = decode_s, session.compile_s, session.compiled_steps
+            stat.tokens_per_s = stat.generated_tokens / decode_s if decode_s > 0 else 0.0
+            if self.on_finish is not None:
+                self.on_finish(row, self.text(row), stat, self.settings)
+
     def _hit_stop(self, seq: list[int]) -> bool:
         tail = self.tokenizer.decode(seq[-32:])
         return any(s in tail for s in self.config.stop_strings)
 
 
-def _attach(stack: contextlib.ExitStack, model, tokenizer, *hooks) -> list[Callable]:
-    """Enter each hook's ``attach(model, tokenizer)`` for this call; return the callbacks yielded."""
-    callbacks = [stack.enter_context(h.attach(model, tokenizer)) for h in hooks if h is not None]
-    return [cb for cb in callbacks if cb is not None]
-
-
 def _as_list(x):
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _forward(model, cache: SieveCache, input_ids, query_pos, observer, on_tokens=(), rows=None):
-    for hook in on_tokens:
-        hook(input_ids, query_pos, rows)
-    return forward_step(model, cache, input_ids, query_pos, observer)
 
 
 @torch.inference_mode()
@@ -237,25 +240,23 @@ def generate(
     """Generate for a batch of prompts with a compressed KV cache.
 
     ``policy`` defaults to no eviction.  ``on_token(row, new_token_ids)`` streams tokens as
-    they are read back (every ``check_every`` steps, every step when a callback is given).
-    ``on_finish(row, text, stats, settings)`` is called once per row as soon as the row ends
-    (EOS, a stop string or the token limit), with its final text and statistics, so a caller
-    can store it before the rest of the batch is done.
-    ``steering`` (optional, ``kvsieve.steering.Steering``) adds SkipKV's adaptive steering vector;
-    ``None`` leaves the model untouched.
+    they are read back, every ``config.check_every`` steps (set it to 1 for token-by-token
+    streaming; each read is a host sync).  ``on_finish(row, text, stats, settings)`` is called
+    once per row as soon as the row ends (EOS, a stop string or the token limit), with its
+    final text and statistics, so a caller can store it before the rest of the batch is done.
+    ``steering`` (optional, ``kvsieve.steering.Steering``) adds SkipKV's adaptive steering
+    vector; ``None`` leaves the model untouched.
     """
     policy = policy or Policy(scorer=None)
     config = config or GenerateConfig()
-    if on_token is not None:
-        config = GenerateConfig(**{**asdict(config), "check_every": 1})
     check_supported(model)
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
-    device = model.device
     encoded = encode_prompts(tokenizer, prompts, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids, positions = left_pad(encoded, pad_id or 0, device)
-    policy = policy.for_horizon(input_ids.shape[1] + config.max_new_tokens)  # LagKV at a budget
+    input_ids, positions = left_pad(encoded, pad_id or 0, model.device)
+    horizon = input_ids.shape[1] + config.max_new_tokens
+    policy = policy.for_horizon(horizon)  # LagKV at a budget
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
     settings = policy.settings()
@@ -263,154 +264,47 @@ def generate(
         settings["steering"] = steering.settings()
     if is_random(model):
         settings["weights"] = RANDOM_NOTE
-    run = _Run(tokenizer, model, encoded, config, on_token, on_finish, settings)
-    num_layers = model.config.num_hidden_layers
-    budgets = policy.layer_budgets(num_layers)
-    scorer = policy.scorer
-    cache = SieveCache.for_scorer(num_layers, scorer, grow_chunk=config.grow_chunk)
-    static = config.static_shapes or config.cuda_graph
-    for layer, budget in zip(cache.layers, budgets):
-        layer.static = static
-        layer.query_window = scorer.query_window() if scorer else 0
-        # never allocate past what the run can need: budget + interval, or the whole sequence
-        longest = input_ids.shape[1] + config.max_new_tokens
-        layer.capacity_hint = longest if budget is None else min(longest, budget + policy.interval)
-    observer = policy.observer()
-    generator = torch.Generator(device=device).manual_seed(config.seed) if config.temperature > 0 else None
-
-    previous_attn = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    hooks = contextlib.ExitStack()
-    try:
-        run.on_tokens = _attach(hooks, model, tokenizer, scorer, steering)
-        if config.cuda_graph and run.on_tokens:
-            raise ValueError("cuda_graph cannot replay per-token host hooks (SkipKV sentences, steering, "
-                             "trace recording); drop cuda_graph for this method")
+    rows = _Rows(tokenizer, model, encoded, config, on_token, on_finish, settings)
+    session = DecodeSession(model, policy, batch_size=len(encoded), horizon=horizon, static=config.static_shapes,
+                            compile=config.compile, grow_chunk=config.grow_chunk)
+    generator = torch.Generator(device=model.device).manual_seed(config.seed) if config.temperature > 0 else None
+    with session.attached(tokenizer, steering):
         t0 = time.perf_counter()
-        cache.seen_tokens = torch.zeros(len(encoded), dtype=torch.long, device=device)
-        for start in range(0, input_ids.shape[1], config.prefill_chunk):
-            chunk = slice(start, start + config.prefill_chunk)
-            logits = _forward(model, cache, input_ids[:, chunk], positions[:, chunk], observer, run.on_tokens, run.rows)
-            if scorer is not None and policy.prefill_block:  # block-wise prefill eviction
-                cache.seen_tokens = (positions[:, : chunk.stop] != DEAD_POS).sum(dim=1)
-                compress(cache, policy, budgets)
-        cache.seen_tokens = torch.tensor([len(ids) for ids in encoded], device=device)
-        drop_dead(cache, headroom=policy.interval if scorer else config.grow_chunk,
-                  past_hint=scorer is not None and not policy.compress_prefill)
-        tracker = _Tracker(run, cache)
-        if scorer is not None and policy.compress_prefill:
-            tracker.record()
-            if compress(cache, policy, budgets):
-                tracker.event()
-        if static:  # room for every append until the next compression (or the end, for full)
-            for layer in cache.layers:
-                layer.reserve(max(layer.capacity_hint, layer.max_len + (policy.interval if scorer else 0)))
-            tracker.bytes()
+        logits = session.prefill(input_ids, positions, config.prefill_chunk)
         next_token = sample(logits, config, generator)
-        _sync(device)
-        prefill_s = time.perf_counter() - t0
-        for stat in run.stats:
-            stat.prefill_s = prefill_s
-        _decode(model, cache, policy, budgets, config, run, tracker, next_token, observer, generator)
-    finally:
-        hooks.close()
-        model.set_attn_implementation(previous_attn)
-
-    texts = [run.text(row) for row in range(len(encoded))]
-    return GenerationResult(texts=texts, token_ids=run.tokens, stats=run.stats, settings=settings,
-                            kv_bytes_trace=tracker.trace)
+        _sync(model.device)
+        for stat in rows.stats:
+            stat.prefill_s = time.perf_counter() - t0
+        _decode(session, rows, config, next_token, generator)
+    texts = [rows.text(row) for row in range(len(encoded))]
+    return GenerationResult(texts=texts, token_ids=rows.tokens, stats=rows.stats, settings=settings,
+                            kv_bytes_trace=session.kv_bytes_trace)
 
 
-class _Tracker:
-    """Peak live tokens and allocated bytes, read at the moments they can peak."""
-
-    def __init__(self, run: _Run, cache: SieveCache):
-        self.run, self.cache = run, cache
-        n_layers = len(cache.layers)
-        self.peak_tokens = torch.zeros(len(run.stats), n_layers, dtype=torch.long, device=cache.seen_tokens.device)
-        self.bytes_seen = 0
-        self.step = 0  # decode steps done, set by the loop
-        self.trace: list[tuple[int, int]] = []
-
-    def rows(self) -> torch.Tensor:
-        return torch.tensor(self.run.active, device=self.peak_tokens.device)
-
-    def record(self) -> None:
-        """Before a compaction (and at a row's end) live lengths are at a local maximum."""
-        rows = self.rows()
-        self.peak_tokens[rows] = torch.maximum(self.peak_tokens[rows], self.cache.live_tokens())
-        self.bytes()
-
-    def bytes(self) -> None:
-        total = self.cache.allocated_bytes()
-        if total != self.bytes_seen:
-            self.bytes_seen = total
-            self.trace.append((self.step, total))
-            share = total // len(self.run.active)
-            for row in self.run.active:
-                self.run.stats[row].peak_kv_bytes = max(self.run.stats[row].peak_kv_bytes, share)
-
-    def event(self) -> None:
-        for row in self.run.active:
-            self.run.stats[row].compression_events += 1
-        self.bytes()
-
-    def finish(self, cache_rows: list[int], decode_start: float) -> None:
-        self.record()
-        live = self.cache.live_tokens()[cache_rows].tolist()
-        peaks = self.peak_tokens[[self.run.active[r] for r in cache_rows]].tolist()
-        now = time.perf_counter()
-        for cache_row, final, peak in zip(cache_rows, live, peaks):
-            stat = self.run.stats[self.run.active[cache_row]]
-            stat.final_kv_tokens, stat.peak_kv_tokens = final, peak
-            stat.generated_tokens = len(self.run.tokens[self.run.active[cache_row]])
-            stat.decode_s = now - decode_start
-            stat.tokens_per_s = stat.generated_tokens / stat.decode_s if stat.decode_s > 0 else 0.0
-
-
-def _decode(model, cache, policy, budgets, config, run, tracker, next_token, observer, generator):
-    device = next_token.device
-    out_tokens = torch.empty(len(run.active), config.max_new_tokens, dtype=torch.long, device=device)
+def _decode(session: DecodeSession, rows: _Rows, config: GenerateConfig, next_token, generator) -> None:
+    """Step, compress, sample; every ``check_every`` steps read the new tokens and let finished rows go."""
+    out_tokens = torch.empty(len(session.slots), config.max_new_tokens, dtype=torch.long, device=next_token.device)
     checked = 0
     decode_start = time.perf_counter()
     bar = _progress(config)
-    captured = CapturedStep(model, cache, observer) if config.cuda_graph else None
     for step in range(config.max_new_tokens):
         out_tokens[:, step] = next_token
         last = step == config.max_new_tokens - 1
-        if last or (step + 1 - checked) >= config.check_every:
-            finished = run.take(out_tokens[:, checked: step + 1].tolist())
+        if last or step + 1 - checked >= config.check_every:
+            finished = rows.take(session.slots, out_tokens[:, checked: step + 1].tolist())
             checked = step + 1
             if finished:
-                _sync(device)
-                tracker.finish(finished, decode_start)
-                run.hand_over([run.active[r] for r in finished])
-                keep = [r for r in range(len(run.active)) if r not in set(finished)]
-                run.active = [run.active[r] for r in keep]
-                if not run.active:
+                _sync(next_token.device)
+                rows.finish(session, finished, decode_start)
+                keep = session.drop_finished(finished)
+                if not session.running_rows():
                     break
-                keep_t = torch.tensor(keep, device=device)
-                if policy.scorer is not None:
-                    policy.scorer.before_select_rows(keep_t)
-                cache.select_rows(keep_t)
-                run.rows = run.rows[keep_t]
-                out_tokens, next_token = out_tokens[keep_t], next_token[keep_t]
+                if keep is not None:
+                    out_tokens, next_token = out_tokens[keep], next_token[keep]
         if last:
             break
-        query_pos = cache.seen_tokens[:, None]
-        if captured is not None:
-            logits = captured(next_token[:, None], query_pos)
-        else:
-            step_observer = observer if policy.observes_step(step) else None
-            logits = _forward(model, cache, next_token[:, None], query_pos, step_observer, run.on_tokens, run.rows)
-        cache.seen_tokens = cache.seen_tokens + 1
-        tracker.step = step + 1
-        tracker.bytes()
-        if policy.scorer is not None and (step + 1) % policy.interval == 0:
-            if policy.needs_compression(cache, budgets):
-                tracker.record()
-                compress(cache, policy, budgets)
-                tracker.event()
+        logits = session.step(next_token)
+        session.maybe_compress()
         next_token = sample(logits, config, generator)
         if bar is not None:
             bar.update(1)
@@ -424,11 +318,6 @@ def _progress(config: GenerateConfig):
     from tqdm.auto import tqdm
 
     return tqdm(total=config.max_new_tokens, desc="decode", unit="step", leave=False)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:

@@ -27,6 +27,9 @@ from .cache import DEAD_POS, SieveCache, SieveLayer
 
 SCORERS: dict[str, type["Scorer"]] = {}
 
+# Block m of block-wise prefill eviction (``Policy.prefill_block``): CAOTE Sec. 4.1 uses 128.
+PREFILL_BLOCK = 128
+
 
 def register(name: str):
     """Class decorator: make a scorer available under ``name``."""
@@ -187,9 +190,12 @@ class Policy:
     compress_prefill : bool | None
         Compress the prompt right after prefill when it exceeds the budget; ``None`` takes
         the scorer's default (``default_compress_prefill``).
-    prefill_block : bool
-        Also compress after every prefill chunk (block-wise prefill eviction; the chunk size
-        is ``GenerateConfig.prefill_chunk``).
+    prefill_block : bool | int
+        Read the prompt in blocks and compress after each one (block-wise prefill eviction,
+        CAOTE Sec. 2 Eqs. 3-7), whatever ``GenerateConfig.prefill_chunk`` says.  ``True``: blocks
+        of the scorer's ``prefill_chunk`` if it has one, else ``PREFILL_BLOCK`` (128, CAOTE
+        Sec. 4.1), so a base compared with CAOTE prefills the same way (the paper's Table 10);
+        an integer: blocks of that many tokens.
     """
 
     scorer: Scorer | None
@@ -199,7 +205,7 @@ class Policy:
     recent: int | None = None
     interval: int | None = None
     compress_prefill: bool | None = None
-    prefill_block: bool = False
+    prefill_block: bool | int = False
 
     def __post_init__(self):
         if self.compress_prefill is None:
@@ -219,6 +225,8 @@ class Policy:
             raise ValueError(f"sinks ({self.sinks}) and recent ({self.recent}) must be >= 0")
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
+        if self.prefill_block is not True and self.prefill_block is not False and int(self.prefill_block) < 1:
+            raise ValueError(f"prefill_block must be True, False or a block size >= 1, got {self.prefill_block}")
         if self.scorer.needs_aligned_heads() and self.allocator.ragged_heads:
             raise ValueError(
                 f"{self.scorer.name} with these settings averages scores across kv heads slot by slot, "
@@ -230,6 +238,14 @@ class Policy:
                 f"budget {self.budget} is smaller than the protected tokens: sinks {self.sinks} + recent "
                 f"{self.recent}; raise --budget to at least {self.sinks + self.recent} or lower sinks/recent"
             )
+
+    def prefill_block_size(self) -> int | None:
+        """Tokens per block of block-wise prefill eviction, or None without it."""
+        if self.scorer is None or self.prefill_block is False or self.prefill_block == 0:
+            return None
+        if self.prefill_block is True:
+            return getattr(self.scorer, "prefill_chunk", None) or PREFILL_BLOCK
+        return int(self.prefill_block)
 
     @property
     def name(self) -> str:
@@ -307,24 +323,41 @@ def protected_mask(pos: torch.Tensor, seen_tokens: torch.Tensor, sinks: int, rec
     return is_recent | (pos < sinks) if sinks > 0 else is_recent
 
 
+def protected_scores(layer: SieveLayer, policy: Policy, seen_tokens: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, capacity] float scores of one layer with the schedule applied: sinks and the
+    recent window at +inf, dead slots at -inf (a copy: never the scorer's own state)."""
+    pos = layer.meta["pos"]
+    scores = policy.scorer.score(layer, seen_tokens).float()  # [B, H, cap]
+    if policy.sinks or policy.recent:
+        scores = scores.masked_fill(protected_mask(pos, seen_tokens, policy.sinks, policy.recent), float("inf"))
+    else:
+        scores = scores.clone()  # never write into a scorer's own state (H2O returns its sums)
+    return scores.masked_fill_(pos == DEAD_POS, float("-inf"))
+
+
+def evict_in_place(layer: SieveLayer, policy: Policy, budget: int, seen_tokens: torch.Tensor, excess: int,
+                   scores: torch.Tensor | None = None) -> None:
+    """Drop the ``excess`` lowest-scored tokens of every head over ``budget`` (in place, see
+    ``SieveLayer.evict``): device work only, so a compiled decode step can contain it; the
+    caller sets ``layer.max_len``.  ``scores``: ``protected_scores`` when already computed (a
+    scorer is asked once per compression: ``random`` draws new scores on every call)."""
+    if scores is None:
+        scores = protected_scores(layer, policy, seen_tokens)
+    lowest = scores.masked_fill_(layer.meta["pos"] == DEAD_POS, float("inf")).topk(excess, dim=-1, largest=False).indices
+    layer.evict(lowest, (layer.lengths - budget).clamp(min=0, max=excess))
+
+
 def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_tokens: torch.Tensor) -> None:
     """Evict down to ``budget`` tokens per (row, kv head) in one layer (no-op if it fits)."""
     scorer = policy.scorer
     if not scorer.should_compress(layer, budget):
         return
-    pos = layer.meta["pos"]
-    dead = pos == DEAD_POS
-    scores = scorer.score(layer, seen_tokens).float()  # [B, H, cap]
-    if policy.sinks or policy.recent:
-        scores = scores.masked_fill(protected_mask(pos, seen_tokens, policy.sinks, policy.recent), float("inf"))
-    else:
-        scores = scores.clone()  # never write into a scorer's own state (H2O returns its sums)
-    scores.masked_fill_(dead, float("-inf"))
+    dead = layer.meta["pos"] == DEAD_POS
+    scores = protected_scores(layer, policy, seen_tokens)
     chosen = scorer.select(layer, scores, budget, seen_tokens)
-    if chosen is None and _can_evict_in_place(layer, policy, budget):
-        excess = layer.max_len - budget  # host ints: at most this many tokens go per head
-        lowest = scores.masked_fill_(dead, float("inf")).topk(excess, dim=-1, largest=False).indices  # our copy
-        layer.evict(lowest, (layer.lengths - budget).clamp(min=0, max=excess), max_len=budget)
+    if chosen is None and can_evict_in_place(layer, policy, budget):
+        evict_in_place(layer, policy, budget, seen_tokens, excess=layer.max_len - budget, scores=scores)
+        layer.max_len = budget
         return
     if chosen is None and not policy.allocator.ragged_heads:
         kept_idx, new_lengths = top_k_indices(scores, min(layer.max_len, budget))
@@ -339,7 +372,7 @@ def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_t
     layer.compact(kept_idx, new_lengths, capacity=kept_idx.shape[-1] + policy.interval, max_len=kept_idx.shape[-1])
 
 
-def _can_evict_in_place(layer: SieveLayer, policy: Policy, budget: int) -> bool:
+def can_evict_in_place(layer: SieveLayer, policy: Policy, budget: int) -> bool:
     """In place when the scorer allows any slot order, the allocator keeps the same count in
     every head, and the layer is already at its steady capacity (budget + interval), so that
     nothing would be returned by reallocating (right after prefill it would)."""

@@ -112,8 +112,8 @@ class OthersCounter:
         self.counts(rows)
         B, T = token_ids.shape
         real = query_pos != DEAD_POS
-        end = torch.isin(token_ids, self.delimiter_ids.to(token_ids.device)) & real
-        keyword = torch.isin(token_ids, self.keyword_ids.to(token_ids.device)) & real
+        end = torch.isin(token_ids, self.delimiter_ids) & real
+        keyword = torch.isin(token_ids, self.keyword_ids) & real
         segment = end.cumsum(1) - end.long()  # [B, T] sentence index inside this chunk; 0 = the open one
         hits = torch.zeros(B, T + 1, dtype=torch.long, device=token_ids.device).scatter_add_(1, segment, keyword.long())
         hits[:, 0] += self.open_has_keyword[rows].long()
@@ -383,7 +383,8 @@ class Steering:
         """Install the pre-hook for one call; yield the loop's ``on_tokens(ids, query_pos, rows)``."""
         if self.vector.fingerprint != model_fingerprint(model):
             raise ValueError(f"steering vector for {self.vector.fingerprint} used on {model_fingerprint(model)}")
-        counter = OthersCounter(vocab_ids(tokenizer, self.delimiters), vocab_ids(tokenizer, self.keywords, strip=True))
+        counter = OthersCounter(vocab_ids(tokenizer, self.delimiters).to(model.device),  # moved once, not per forward
+                                vocab_ids(tokenizer, self.keywords, strip=True).to(model.device))
         paragraph = vocab_ids(tokenizer, ["\n\n"], contains=True).to(model.device)
         vec = self.vector.vector.to(model.device)
         pending: list[torch.Tensor] = []  # coefficients [B, T] for the next forward

@@ -8,6 +8,7 @@
 * ``throughput`` largest batch under a KV memory limit and total tokens/s there, vs full
 * ``long``      tokens/s of full vs bounded methods over long generations
 * ``grouping``  what SkipKV's batch grouping by prefill length changes in kvsieve
+* ``compiled``  the compiled decode step vs eager, and vs transformers' generate (eager and static compiled)
 """
 
-BENCHMARKS = ("engine", "overhead", "memory", "throughput", "long", "grouping")
+BENCHMARKS = ("engine", "overhead", "memory", "throughput", "long", "grouping", "compiled")

@@ -29,6 +29,12 @@ def add_model_args(ap) -> None:
                          "chrome://tracing or Perfetto) to PATH, and its top operators to PATH.txt")
 
 
+def add_compile_arg(ap) -> None:
+    """``--compile``: time the compiled decode step (``GenerateConfig.compile``), compile time apart."""
+    ap.add_argument("--compile", action="store_true",
+                    help="compiled decode step (torch.compile; compile time reported apart, never in tokens/s)")
+
+
 def load_for(args):
     """Apply ``--threads`` and load ``(model, tokenizer)`` from the ``add_model_args`` options."""
     from ..models import load_model
@@ -64,15 +70,18 @@ def prompts(batch: int) -> list[str]:
 
 
 def timed_generate(model, tok, method: str, budget: int | None, batch: int, new_tokens: int,
-                   kv_memory_gb: float | None = None, clock_every: int | None = None, **settings) -> dict:
+                   kv_memory_gb: float | None = None, clock_every: int | None = None, compile: bool = False,
+                   **settings) -> dict:
     """Greedy generation of exactly ``new_tokens`` per row (EOS ignored); batch-level figures.
 
     With ``clock_every`` the row also holds ``clock``: ``(tokens generated per row, seconds since
     the first decode check)`` at that first check and each time the rows pass a multiple of
     ``clock_every`` tokens, so one long run gives the speed over every stretch of the way
-    (``tokens_per_s_between``).  Readings land on the host checks (every ``check_every`` steps)."""
+    (``tokens_per_s_between``).  Readings land on the host checks (every ``check_every`` steps).
+    ``compile`` runs the compiled decode step; its compile time is ``compile_s``, apart from
+    ``decode_s``."""
     policy = make_policy(method, budget=None if method == "full" else budget, **settings)
-    config = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True, kv_memory_gb=kv_memory_gb)
+    config = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True, kv_memory_gb=kv_memory_gb, compile=compile)
     clock: list[tuple[int, float]] = []  # (tokens row 0 has generated, perf_counter)
     done = [0]
 
@@ -89,7 +98,8 @@ def timed_generate(model, tok, method: str, budget: int | None, batch: int, new_
     generated = sum(s.generated_tokens for s in result.stats)
     return {
         "method": method, "budget": policy.budget, "batch": batch, "new_tokens": new_tokens,
-        "generated_tokens": generated, "wall_s": wall, "decode_s": decode_s,
+        "compile": compile, "generated_tokens": generated, "wall_s": wall, "decode_s": decode_s,
+        "compile_s": result.stats[0].compile_s,
         "decode_tokens_per_s": generated / decode_s,
         "peak_kv_bytes": max((b for _, b in result.kv_bytes_trace), default=0),
         "peak_kv_tokens_max_layer": max(max(s.peak_kv_tokens) for s in result.stats),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, write
+from .common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, timed_generate, write
 
 
 def main(argv=None):
@@ -23,6 +23,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--repeats", type=int, default=1)
+    add_compile_arg(ap)
     ap.add_argument("--out", default="benchmarks/results/engine.json")
     args = ap.parse_args(argv)
     model, tok = load_for(args)
@@ -66,7 +67,7 @@ def measure(model, tok, methods: list[str], batch: int, args) -> list[dict]:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for method in methods:
-            row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens)
+            row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens, compile=args.compile)
             if method not in best or row["decode_tokens_per_s"] > best[method]["decode_tokens_per_s"]:
                 best[method] = row
             print(f"  batch {batch} {method:10s} {row['decode_tokens_per_s']:8.1f} tok/s", flush=True)

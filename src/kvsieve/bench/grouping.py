@@ -23,7 +23,7 @@ from ..data import load_dataset
 from ..generate import GenerateConfig, encode_prompts, generate
 from ..methods import make_policy
 from ..steering import group_by_prefill_length, padding_tokens
-from .common import add_model_args, load_for, machine, profiled, write
+from .common import add_compile_arg, add_model_args, load_for, machine, profiled, write
 
 
 def run_batches(model, tok, prompts, batches, method: str, budget: int, config: GenerateConfig) -> dict:
@@ -47,7 +47,7 @@ def run_batches(model, tok, prompts, batches, method: str, budget: int, config: 
 def measure(model, tok, args) -> dict:
     samples = load_dataset(args.dataset, args.data, limit=args.samples)
     prompts = [s.messages for s in samples]
-    config = GenerateConfig(max_new_tokens=args.new_tokens)
+    config = GenerateConfig(max_new_tokens=args.new_tokens, compile=args.compile)
     lengths = [len(ids) for ids in encode_prompts(tok, prompts, config)]
     orders = {"data-set order": [list(range(i, min(i + args.batch, len(prompts))))
                                  for i in range(0, len(prompts), args.batch)],
@@ -82,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
+    add_compile_arg(ap)
     ap.add_argument("--out", default="benchmarks/results/grouping.json")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.samples < 1:

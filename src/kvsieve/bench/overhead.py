@@ -31,11 +31,12 @@ import time
 import torch
 
 from kvsieve import make_policy
-from kvsieve.attention import ATTN_IMPLEMENTATION, StepState, cache_kwargs
+from kvsieve.attention import ATTN_IMPLEMENTATION
 from kvsieve.cache import SieveCache
-from kvsieve.bench.common import add_model_args, load_for, machine, plot, profiled, write
+from kvsieve.bench.common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, write
 from kvsieve.methods import method_names
 from kvsieve.policy import SCORERS, compress
+from kvsieve.session import DecodeSession
 
 
 # The wrapped methods of the seed papers (CAOTE Sec. 4, AMS Table 2), timed by default beside
@@ -43,28 +44,29 @@ from kvsieve.policy import SCORERS, compress
 PAPER_WRAPPED = ("caote:tova", "fastcaote:tova", "caote:h2o", "ams:tova", "ams:expected", "ams:rkv")
 
 
-def filled_cache(model, policy, batch: int, length: int, steps: int, first_pos: int = 0) -> SieveCache:
-    """Every layer holds ``length`` random tokens at positions ``first_pos`` onwards, allocated
-    once for the whole timed run (a bounded policy at budget + interval, ``full`` at length +
-    steps) so no step pays a growth."""
+def filled_session(model, policy, batch: int, length: int, steps: int, first_pos: int = 0,
+                   compile: bool = False) -> DecodeSession:
+    """A decode session whose every layer holds ``length`` random tokens at positions
+    ``first_pos`` onwards, allocated once for the whole timed run (a bounded policy at budget +
+    interval, ``full`` at length + steps) so no step pays a growth."""
     cfg = model.config
     scorer = policy.scorer
-    cache = SieveCache.for_scorer(cfg.num_hidden_layers, scorer)
+    session = DecodeSession(model, policy, batch_size=batch, horizon=length + max(steps + 2, policy.interval or 0),
+                            compile=compile)
+    cache = session.cache
     cache.seen_tokens = torch.full((batch,), first_pos, dtype=torch.long, device=model.device)
     append_random(model, cache, length)
     pos = torch.arange(first_pos, first_pos + length, device=model.device).expand(batch, length)
     g = torch.Generator(device=model.device).manual_seed(0)
     D = cache.layers[0].keys.shape[-1]
     for layer in cache.layers:
-        layer.query_window = scorer.query_window() if scorer else 0
-        layer.capacity_hint = length + (policy.interval if scorer else steps + 2)
         layer.reserve(layer.capacity_hint)
         if layer.query_window:
             w = min(layer.query_window, length)
             layer.remember_queries(torch.randn(batch, cfg.num_attention_heads, w, D, generator=g,
                                                device=model.device, dtype=model.dtype), pos[:, -w:])
         layer.scaling = D ** -0.5
-    return cache
+    return session
 
 
 def append_random(model, cache: SieveCache, count: int) -> None:
@@ -84,10 +86,11 @@ def append_random(model, cache: SieveCache, count: int) -> None:
 
 
 class _Timed:
-    """One method's filled cache and its decode step, run exactly as ``generate`` runs it."""
+    """One method's filled session and its decode step, run exactly as ``generate`` runs it."""
 
-    def __init__(self, model, method: str, batch: int, length: int, steps: int, budget: int | None):
-        self.model, self.batch, self.steps = model, batch, steps
+    def __init__(self, model, method: str, batch: int, length: int, steps: int, budget: int | None,
+                 compile: bool = False):
+        self.model, self.batch, self.steps, self.compile = model, batch, steps, compile
         self.held = length if budget is None or method == "full" else budget
         self.first_pos = length - self.held
         self.seen = length  # tokens each row has seen when timing starts
@@ -98,47 +101,40 @@ class _Timed:
         self.partitions = not budgeted  # LagKV: frozen partitions + a tail, compressed every L tokens
         if self.partitions:
             self.seen, self.interval = lag_steady_state(self.policy.scorer, length), self.policy.scorer.lag
-        self.budgets = self.policy.layer_budgets(model.config.num_hidden_layers)
-        self.observer = self.policy.observer()
-        self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+        self.token = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.reset()
 
     def reset(self) -> None:
-        """A fresh cache holding ``held`` tokens (allocated once for all the timed steps)."""
-        self.cache = filled_cache(self.model, self.policy, self.batch, self.held, self.steps + 4, self.first_pos)
-        self.cache.seen_tokens.fill_(self.seen)
-        self.step_index = 0  # decode steps since the last compression, as generate counts them
+        """A fresh session holding ``held`` tokens (allocated once for all the timed steps)."""
+        self.session = filled_session(self.model, self.policy, self.batch, self.held, self.steps + 4,
+                                      self.first_pos, self.compile)
+        self.session.cache.seen_tokens.fill_(self.seen)
 
     def step(self) -> float:
-        """Seconds of one decode step: the forward pass, then an every-step method's compression."""
-        cache, policy = self.cache, self.policy
+        """Seconds of one decode step: the forward pass, then an every-step method's eviction
+        (inside the step for in-place evictors, else ``maybe_compress``)."""
         _sync(self.model)
         t0 = time.perf_counter()
-        qpos = cache.seen_tokens[:, None]
-        cache.begin_step(qpos)
-        observer = self.observer if policy.observes_step(self.step_index) else None
-        self.model(input_ids=self.token, position_ids=qpos, **cache_kwargs(self.model, cache),
-                   logits_to_keep=1, kvsieve=StepState(cache=cache, query_pos=qpos, observer=observer))
-        self.step_index += 1
-        cache.seen_tokens = cache.seen_tokens + 1
-        if self.interval == 1 and policy.scorer is not None and policy.needs_compression(cache, self.budgets):
-            compress(cache, policy, self.budgets)
+        self.session.step(self.token)
+        if self.interval == 1:
+            self.session.maybe_compress()
         _sync(self.model)
         return time.perf_counter() - t0
 
     def compression(self) -> float:
         """Seconds of one compression from ``held + interval`` tokens (the faster of two)."""
         best = float("inf")
+        cache, policy, budgets = self.session.cache, self.policy, self.session.budgets
         for _ in range(2):  # the first one warms up
-            live = self.cache.layers[0].live().sum(-1).max().item()
+            live = cache.layers[0].live().sum(-1).max().item()
             if self.partitions:  # LagKV: up to the tail's second full partition
-                count = lag_tokens_until_due(self.policy.scorer, int(self.cache.seen_tokens[0]), live)
+                count = lag_tokens_until_due(self.policy.scorer, int(cache.seen_tokens[0]), live)
             else:
                 count = self.held + self.interval - live
-            append_random(self.model, self.cache, count)
+            append_random(self.model, cache, count)
             _sync(self.model)
             t0 = time.perf_counter()
-            compress(self.cache, self.policy, self.budgets)
+            compress(cache, policy, budgets)
             _sync(self.model)
             best = min(best, time.perf_counter() - t0)
         return best
@@ -146,7 +142,7 @@ class _Timed:
 
 @torch.inference_mode()
 def time_method(model, method: str, batch: int, length: int, steps: int,
-                budget: int | None = None) -> tuple[float, float]:
+                budget: int | None = None, compile: bool = False) -> tuple[float, float]:
     """(seconds per decode step of ``method``, seconds per step of ``full``), measured in pairs.
 
     The two run step for step, alternating which goes first, each on its own cache, and each
@@ -164,10 +160,10 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     """
     if budget is not None and method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
         return float("nan"), float("nan")
-    full = _Timed(model, "full", batch, length, steps, None)
-    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget)
+    full = _Timed(model, "full", batch, length, steps, None, compile)
+    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget, compile)
     runners = [r for r in (full, ours) if r is not None]
-    for _ in range(2):  # warm-up
+    for _ in range(3 if compile else 2):  # warm-up (compiling, with --compile)
         for r in runners:
             r.step()
     n = steps if ours is None or ours.interval == 1 else min(steps, ours.interval)
@@ -221,6 +217,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=1, help="paired runs per method; the median ratio is reported")
     ap.add_argument("--budget", type=int, default=None,
                     help="policies hold this many tokens while full holds the length (decode speed-up)")
+    add_compile_arg(ap)
     ap.add_argument("--out", default="benchmarks/results/policy_overhead.json")
     args = ap.parse_args(argv)
     model, _ = load_for(args)
@@ -265,7 +262,7 @@ def measure(model, args) -> list[dict]:
         for length in map(int, args.lengths.split(",")):
             print(f"batch {batch} length {length}:", flush=True)
             for method in [m for m in args.methods.split(",") if m != "full"]:
-                pairs = [time_method(model, method, batch, length, args.steps, args.budget)
+                pairs = [time_method(model, method, batch, length, args.steps, args.budget, args.compile)
                          for _ in range(args.rounds)]
                 if math.isnan(pairs[0][0]):
                     print(f"  {method:14s} not timed: no token budget to hold the length at", flush=True)

@@ -17,7 +17,7 @@ import math
 from ..generate import GenerateConfig
 from ..memory import max_batch_size
 from ..methods import make_policy
-from .common import add_model_args, load_for, machine, plot, profiled, timed_generate, tokens_per_s_between, write
+from .common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, timed_generate, tokens_per_s_between, write
 
 
 CHECK_EVERY = GenerateConfig.check_every  # decode steps between host checks: where clock readings land
@@ -27,7 +27,8 @@ def run_each(model, tok, args, new_tokens: int, **timing) -> list[dict]:
     """``timed_generate`` for ``full`` and then each of ``--methods``, reporting each run as it ends."""
     runs = []
     for method in ["full", *args.methods]:
-        runs.append(timed_generate(model, tok, method, args.budget, args.batch, new_tokens, **timing))
+        runs.append(timed_generate(model, tok, method, args.budget, args.batch, new_tokens, compile=args.compile,
+                                   **timing))
         print(f"{method}: {new_tokens} tokens x {args.batch} rows in {runs[-1]['wall_s']:.0f} s", flush=True)
     return runs
 
@@ -67,7 +68,8 @@ def throughput(model, tok, args) -> dict:
         if batch == 0:
             print(f"{method}: not even one row fits {args.kv_memory_gb} GiB")
             continue
-        row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens, kv_memory_gb=args.kv_memory_gb)
+        row = timed_generate(model, tok, method, args.budget, batch, args.new_tokens, kv_memory_gb=args.kv_memory_gb,
+                             compile=args.compile)
         row["total_tokens_per_s"] = row["generated_tokens"] / row["wall_s"]  # prefill included
         rows.append(row)
         print(f"{method:12} max batch {batch:4d}  {row['decode_tokens_per_s']:8.1f} tok/s decoding, "
@@ -159,6 +161,7 @@ def parse_args(argv=None, name: str | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kv-memory-gb", type=float, default=0.25)
     ap.add_argument("--max-batch", type=int, default=64, help="cap on the admitted batch (CPU time)")
+    add_compile_arg(ap)
     ap.add_argument("--out", default=None)
     ap.set_defaults(name=name, **DEFAULTS.get(name, {}))
     return ap.parse_args(argv)

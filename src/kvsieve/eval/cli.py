@@ -66,6 +66,8 @@ def eval_command(
     seed: int = typer.Option(0),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     prefill_chunk: int = typer.Option(512),
+    compile: bool = typer.Option(False, "--compile", help="Compile the decode step (same tokens as eager; each "
+                                 "shape compiles once per process, reused by every batch of the grid)."),
     out: Optional[Path] = typer.Option(None, help="Results directory (default runs/MODEL-DATASET)."),
     shard: str = typer.Option("0/1", help="i/n: run every n-th sample starting at i (one process per shard)."),
     writer: Optional[str] = typer.Option(
@@ -97,7 +99,7 @@ def eval_command(
         EvalConfig, model=model, dataset=dataset, out=str(out or Path("runs") / f"{Path(model).name}-{dataset}"),
         methods=method_list, budgets=_bad(parse_list, budgets, "--budgets", int), limit=limit, data_path=data,
         data_options=_pairs(data_opt, "--data-opt"), max_new_tokens=max_new_tokens, temperature=temperature,
-        seed=seed, prefill_chunk=prefill_chunk, batch_size=batch_size,
+        seed=seed, prefill_chunk=prefill_chunk, batch_size=batch_size, compile=compile,
         settings=_bad(split_settings, _pairs(set_, "--set"), method_list), shard=_bad(parse_shard, shard),
         device=device, dtype=dtype, steering=None if steering is None else str(steering),
         steering_settings=_pairs(steering_set, "--steering-set"), writer=writer)

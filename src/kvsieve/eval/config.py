@@ -123,6 +123,7 @@ class EvalConfig:
     seed: int = 0
     prefill_chunk: int = 512
     batch_size: int = 8
+    compile: bool = False  # the compiled decode step: same tokens, so not a RESULT_FIELD
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     shard: tuple[int, int] = (0, 1)
     device: str = "auto"

@@ -149,7 +149,7 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
     if steered and steering is None:
         steering = make_steering(config, model)
     gen_config = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                seed=config.seed, prefill_chunk=config.prefill_chunk)
+                                seed=config.seed, prefill_chunk=config.prefill_chunk, compile=config.compile)
     rows: dict[int, dict[str, Any]] = {}
 
     def finished(index: int, text: str, stat, settings: dict) -> None:

@@ -1,0 +1,6 @@
+from kvsieve.cli import app
+
+if __name__ == "__main__":
+    import sys
+
+    app(["bench", "compiled", *sys.argv[1:]])

@@ -1,0 +1,367 @@
+"""DecodeSession: the one object that runs a batch through the model with a bounded cache.
+
+Every entry point (``generate``, perplexity, the benchmarks, the analyses) drives a model the
+same way::
+
+    session = DecodeSession(model, policy, batch_size=B, horizon=P + N, static=..., compile=...)
+    logits = session.prefill(input_ids, positions)          # chunked; prompt compression
+    for step in range(N):
+        logits = session.step(next_token)                  # forward, observe, append (+ evict)
+        session.maybe_compress()                           # interval policies, every I steps
+        ...                                                # every few steps: session.drop_finished(keep)
+
+``step`` never reads the device: host state (each layer's ``max_len`` bound, capacities) is
+advanced on the host, and device state (lengths, positions, per-token scores, ``seen_tokens``)
+stays on the device.  That is what lets ``compile=True`` run the fixed-capacity step through
+``torch.compile(fullgraph=True)``: Inductor on CPU, CUDA graphs (``mode="reduce-overhead"``) on
+CUDA.  Every-step policies that evict in place (``Scorer.slot_order_free``: tova, h2o,
+streaming, knorm, keydiff, random, caote on those) evict inside the compiled step; interval
+policies compress eagerly every ``interval`` steps, copying back into the same storage.
+
+Shapes stay static after warm-up: a layer's capacity is fixed once decoding starts (budget +
+interval when bounded; the horizon rounded up to ``CAPACITY_BUCKET`` for ``full``), and finished
+rows leave the batch only when at most half of it is still running, down to the next power of
+two (the rows kept to fill it are decoded and ignored), so one compiled graph per batch bucket
+serves a whole evaluation grid.  A step whose shapes are not the steady ones (a long prompt
+kept whole until LazyEviction's first compression, a per-head allocator changing capacity)
+runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import torch
+
+from .attention import ATTN_IMPLEMENTATION, cache_kwarg_name, check_supported, forward_step
+from .cache import DEAD_POS, SieveCache
+from .policy import Policy, compress, drop_dead, evict_in_place
+
+# Full caches in a compiled session are allocated to a multiple of this many slots, so prompts
+# whose length differs by less than the bucket share one compiled graph.
+CAPACITY_BUCKET = 64
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def decode_step(model, cache: SieveCache, tokens: torch.Tensor, observer, evict: tuple, policy: Policy,
+                cache_kw: str, peak: torch.Tensor | None):
+    """One decode step, device work only: every row's token [B] through the model at position
+    ``seen_tokens`` (observing attention when ``observer`` is set and appending K/V), then
+    ``seen_tokens += 1`` and the in-place eviction of layers ``evict`` ((layer, budget) pairs),
+    recording live tokens before it into ``peak`` [B, L]. Returns logits [B, V].
+    The function that ``torch.compile`` compiles: it reads no host state that changes between steps."""
+    query_pos = cache.seen_tokens[:, None]
+    logits = forward_step(model, cache, tokens[:, None], query_pos, observer, cache_kw)
+    cache.seen_tokens.add_(1)
+    if evict:
+        live = torch.stack([layer.lengths.sum(dim=1) for layer in cache.layers], dim=1)
+        torch.maximum(peak, live, out=peak)
+        for index, budget in evict:
+            evict_in_place(cache.layers[index], policy, budget, cache.seen_tokens, excess=1)
+    return logits
+
+
+_COMPILED: dict[tuple[str, str], object] = {}
+_BACKEND = ["inductor"]
+
+
+def compiled_decode_step(device_type: str):
+    """``decode_step`` compiled once per process, device type and backend, shared by every
+    session so that a grid calling ``generate`` hundreds of times compiles each shape once."""
+    key = (device_type, _BACKEND[0])
+    if key not in _COMPILED:
+        # One compiled function serves every policy and batch bucket: each is a cache entry.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 1024)
+        mode = "reduce-overhead" if device_type == "cuda" and key[1] == "inductor" else None  # CUDA graphs
+        _COMPILED[key] = torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode, backend=key[1])
+    return _COMPILED[key]
+
+
+@contextlib.contextmanager
+def compile_backend(backend: str):
+    """Compile with another ``torch.compile`` backend inside this block: ``"eager"`` traces the
+    step with Dynamo (a graph break or a host sync fails exactly as with Inductor, and
+    recompiles count the same) but runs it uncompiled, in seconds instead of minutes."""
+    previous, _BACKEND[0] = _BACKEND[0], backend
+    try:
+        yield
+    finally:
+        _BACKEND[0] = previous
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process (for compile-time accounting and tests)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class DecodeSession:
+    """One batch, one policy: ``prefill``, ``step``, ``maybe_compress``, ``drop_finished``.
+
+    Parameters
+    ----------
+    model : a supported Hugging Face causal LM (``attention.SUPPORTED_MODEL_TYPES``).
+    policy : the eviction policy (``Policy(scorer=None)`` is ``full``).
+    batch_size, horizon : rows in the batch and the most tokens (prompt + new) any row holds.
+    static : allocate every layer at its decode capacity once and keep tensors at fixed addresses.
+    compile : run ``step`` through ``torch.compile`` (implies ``static``); policies with per-token
+        host hooks (SkipKV's sentences, steering, trace recording) say so once and run eagerly.
+    hooks : objects with ``attach(model, tokenizer)`` (a scorer, a steering vector) entered for
+        the session's life by ``attached(tokenizer)``.
+    """
+
+    def __init__(self, model, policy: Policy, *, batch_size: int, horizon: int, static: bool = False,
+                 compile: bool = False, grow_chunk: int = 256):
+        check_supported(model)
+        self.model, self.policy = model, policy
+        self.scorer = policy.scorer
+        self.compile = compile
+        self.static = static or compile
+        self.num_layers = model.config.num_hidden_layers
+        self.budgets = policy.layer_budgets(self.num_layers)
+        if self.static and self.scorer is None:
+            horizon = -(-horizon // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        self.horizon = horizon
+        self.grow_chunk = grow_chunk
+        self.cache = SieveCache.for_policy(policy, self.num_layers, horizon, static=self.static, grow_chunk=grow_chunk)
+        self.observer = policy.observer()
+        self.cache_kw = cache_kwarg_name(model)
+        self.device = model.device
+        # cache row -> original batch row, or None for a finished row kept to fill a batch bucket
+        self.slots: list[int | None] = list(range(batch_size))
+        self.rows = torch.arange(batch_size, device=self.device)  # the same, on the device (fillers: their old row)
+        self.on_tokens: list = []  # per-token host hooks, called before every forward
+        self.steps = 0  # decode steps done
+        self.compile_s = 0.0  # seconds spent in steps that compiled a graph
+        self.compiled_steps = 0  # steps that ran the compiled function
+        self.compression_events = [0] * batch_size  # per original row
+        self.peak_tokens = torch.zeros(batch_size, self.num_layers, dtype=torch.long, device=self.device)
+        self._step_peak: torch.Tensor | None = None  # [B_cache, L] live tokens before in-step evictions
+        self.kv_bytes_trace: list[tuple[int, int]] = []  # (decode step, allocated bytes) at each change
+        self.peak_kv_bytes = [0] * batch_size
+        # Every-step policies that may drop tokens in place do so inside the step.
+        self.evicts_in_step = (self.scorer is not None and self.scorer.slot_order_free and policy.interval == 1
+                               and not policy.allocator.ragged_heads)
+        self._compiled = compiled_decode_step(self.device.type) if compile else None
+
+    # ------------------------------------------------------------------ set-up
+    @contextlib.contextmanager
+    def attached(self, tokenizer, *hooks):
+        """For the session's life: the kvsieve attention implementation, and each hook's
+        ``attach(model, tokenizer)`` (the scorer's and, e.g., a steering vector's)."""
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            with contextlib.ExitStack() as stack:
+                for hook in (self.scorer, *hooks):
+                    if hook is not None:
+                        callback = stack.enter_context(hook.attach(self.model, tokenizer))
+                        if callback is not None:
+                            self.on_tokens.append(callback)
+                if self.on_tokens:  # host hooks watch every step and compression: the eager path
+                    self.evicts_in_step = False  # evictions go through compress_layer, where hooks see them
+                    if self.compile:
+                        _warn_once(f"{self.policy.name}: per-token host hooks (SkipKV sentence tracking, steering "
+                                   "or trace recording) cannot run inside a compiled step; this session decodes eagerly")
+                        self._compiled = None
+                yield self
+        finally:
+            self.on_tokens.clear()
+            self.model.set_attn_implementation(previous)
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward(self, input_ids, query_pos, observer, logits_to_keep: int = 1):
+        for hook in self.on_tokens:
+            hook(input_ids, query_pos, self.rows)
+        T = input_ids.shape[1]
+        self.cache.prepare(T)
+        logits = forward_step(self.model, self.cache, input_ids, query_pos, observer, self.cache_kw, logits_to_keep)
+        self.cache.advance(T)
+        self._note_bytes()  # a prefill chunk may have allocated (the first one always does)
+        return logits
+
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunk: int = 512,
+                all_logits: bool = False) -> torch.Tensor:
+        """Prompt tokens [B, P] at ``positions`` [B, P] (DEAD_POS on left padding), in chunks of
+        ``chunk`` (in the policy's blocks for block-wise prefill eviction, compressing after each,
+        ``Policy.prefill_block``), and compresses after the prompt when the policy compresses it.  Returns the last position's logits [B, V] (every position's,
+        [B, P, V], with ``all_logits``)."""
+        cache, policy, scorer = self.cache, self.policy, self.scorer
+        block = policy.prefill_block_size()  # the block m of block-wise eviction
+        chunk = block or chunk
+        cache.seen_tokens = torch.zeros(input_ids.shape[0], dtype=torch.long, device=self.device)
+        pieces = []
+        for start in range(0, input_ids.shape[1], chunk):
+            part = slice(start, start + chunk)
+            logits = self._forward(input_ids[:, part], positions[:, part], self.observer, 0 if all_logits else 1)
+            pieces.append(logits)
+            if block is not None:  # block-wise prefill eviction
+                cache.seen_tokens = (positions[:, : part.stop] != DEAD_POS).sum(dim=1)
+                compress(cache, policy, self.budgets)
+        cache.seen_tokens = (positions != DEAD_POS).sum(dim=1)
+        drop_dead(cache, headroom=policy.interval if scorer else self.grow_chunk,
+                  past_hint=scorer is not None and not policy.compress_prefill)
+        if scorer is not None and policy.compress_prefill:
+            self._record_peak()
+            if compress(cache, policy, self.budgets):
+                self._count_event()
+        if self.static:  # room for every append until the next compression (or the end, for full)
+            for layer in cache.layers:
+                layer.reserve(max(layer.capacity_hint, layer.max_len + (policy.interval if scorer else 0)))
+        self._note_bytes()
+        self._pin_for_cuda_graphs()
+        return torch.cat(pieces, dim=1) if all_logits else logits
+
+    def _pin_for_cuda_graphs(self) -> None:
+        """On CUDA, tell the compiler the cache tensors the step writes in place keep their
+        addresses (as transformers' StaticCache does), so a CUDA graph may replay those writes."""
+        if self._compiled is None or self.device.type != "cuda":
+            return
+        tensors = [self.cache.seen_tokens]
+        for layer in self.cache.layers:
+            tensors += [layer.keys, layer.values, layer.lengths, *layer.meta.values(), *layer.sums.values()]
+            if layer.recent_queries is not None:
+                tensors += [layer.recent_queries, layer.recent_query_pos]
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+    def _steady(self) -> bool:
+        """True when every layer is at its decode capacity with room for one more token: the
+        shapes a compiled step was built for."""
+        return all(layer.capacity == layer.capacity_hint and layer.max_len < layer.capacity
+                   for layer in self.cache.layers)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step for every cache row: ``tokens`` [B] in, next-token logits [B, V] out."""
+        policy, cache = self.policy, self.cache
+        observer = self.observer if policy.observes_step(self.steps) else None
+        evict = ()
+        if self.evicts_in_step:  # layers at budget and at capacity budget + 1 drop one token each
+            evict = tuple((i, b) for i, (layer, b) in enumerate(zip(cache.layers, self.budgets))
+                          if b is not None and layer.max_len == b and layer.capacity == b + 1)
+            if evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
+                self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)
+        for hook in self.on_tokens:
+            hook(tokens[:, None], cache.seen_tokens[:, None], self.rows)
+        if cache.prepare(1):
+            self._note_bytes()
+        args = (self.model, cache, tokens, observer, evict, policy, self.cache_kw, self._step_peak)
+        if self._compiled is not None and self._steady():
+            graphs, t0 = compiled_graphs(), time.perf_counter()
+            logits = self._compiled(*args)
+            self.compiled_steps += 1
+            if compiled_graphs() != graphs:
+                _sync(self.device)
+                self.compile_s += time.perf_counter() - t0
+        else:
+            logits = decode_step(*args)
+        cache.advance(1)
+        for index, budget in evict:
+            cache.layers[index].max_len = budget
+        if evict:
+            self._count_event()
+        self.steps += 1
+        return logits
+
+    def maybe_compress(self) -> bool:
+        """Compress every layer over its budget when the schedule says so (every ``interval``
+        decode steps); host-side decision, no device read. True if anything was compressed."""
+        if self.scorer is None or self.steps % self.policy.interval != 0:
+            return False
+        if not self.policy.needs_compression(self.cache, self.budgets):
+            return False
+        self._record_peak()
+        compress(self.cache, self.policy, self.budgets)
+        self._count_event()
+        self._note_bytes()
+        return True
+
+    # ------------------------------------------------------------------ rows
+    def drop_finished(self, finished: list[int]) -> torch.Tensor | None:
+        """Cache rows ``finished`` are done.  Eager sessions drop them now (their memory is
+        returned); compiled ones keep them as fillers until at most half the batch runs, then
+        shrink to the next power of two, so each batch bucket compiles once.  Returns the cache
+        rows kept (a device tensor), or None when the batch is unchanged."""
+        self._record_peak()
+        for r in finished:
+            self.slots[r] = None
+        running = [r for r, slot in enumerate(self.slots) if slot is not None]
+        size = len(self.slots)
+        if not running:
+            return None
+        if self.compile:
+            if len(running) > size // 2:
+                return None
+            size = _next_pow2(len(running))
+        else:
+            size = len(running)
+        fillers = [r for r, slot in enumerate(self.slots) if slot is None][: size - len(running)]
+        keep = sorted(running + fillers)
+        keep_t = torch.tensor(keep, device=self.device)  # once per shrink, not per step
+        if self.scorer is not None:
+            self.scorer.before_select_rows(keep_t)
+        self.cache.select_rows(keep_t)
+        self.rows = self.rows[keep_t]
+        self.slots = [self.slots[r] for r in keep]
+        self._step_peak = None  # folded into peak_tokens above
+        self._note_bytes()
+        self._pin_for_cuda_graphs()
+        return keep_t
+
+    def running_rows(self) -> list[int]:
+        """Cache rows still decoding a real row (fillers excluded)."""
+        return [r for r, slot in enumerate(self.slots) if slot is not None]
+
+    # ------------------------------------------------------------------ statistics
+    def _record_peak(self) -> None:
+        """Fold the live tokens now (a local maximum: before a compaction, or at a row's end)
+        and those before in-step evictions into each original row's peak."""
+        live = self.cache.live_tokens()
+        if self._step_peak is not None:
+            live = torch.maximum(live, self._step_peak)
+        self.peak_tokens[self.rows] = torch.maximum(self.peak_tokens[self.rows], live)
+
+    def _count_event(self) -> None:
+        for slot in self.slots:
+            if slot is not None:
+                self.compression_events[slot] += 1
+
+    def _note_bytes(self) -> None:
+        total = self.cache.allocated_bytes()
+        if self.kv_bytes_trace and self.kv_bytes_trace[-1][1] == total:
+            return
+        self.kv_bytes_trace.append((self.steps, total))
+        share = total // len(self.slots)
+        for slot in self.slots:
+            if slot is not None:
+                self.peak_kv_bytes[slot] = max(self.peak_kv_bytes[slot], share)
+
+    def row_kv_tokens(self, cache_rows: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(final, peak) live tokens per layer for ``cache_rows`` (one host read)."""
+        self._record_peak()
+        index = torch.tensor(cache_rows, device=self.device)
+        final = self.cache.live_tokens()[index]
+        peak = self.peak_tokens[self.rows[index]]
+        both = torch.stack([final, peak]).tolist()
+        return both[0], both[1]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,106 @@
+"""The compiled decode step (``GenerateConfig(compile=True)``, ``kvsieve.session``) on the bundled
+SmolLM2-135M.
+
+``torch.compile(fullgraph=True)`` refuses any ``.item()``, ``.tolist()`` or data-dependent
+Python branch, so a step that compiles as one graph is a step free of host syncs, the same
+thing a CUDA graph needs.  The default suite traces with Dynamo's ``eager`` backend (the same
+graph capture, guards and recompiles as Inductor, without minutes of C++ code generation per
+policy on this CPU); the ``slow`` tests run Inductor itself.
+"""
+
+import pytest
+import torch
+
+from kvsieve import GenerateConfig, generate, make_policy
+from kvsieve.session import compile_backend
+
+EARLY = ["Count from 1 to 100, separated by commas.", "Say hello."]  # the second row ends at EOS first
+BUDGET = 32
+
+# The issue's policies; intervals small enough for several compression cycles in 48 tokens.
+POLICIES = {
+    "full": {},
+    "tova": {},
+    "h2o": {},
+    "streaming": {},
+    "snapkv": {"window": 8, "interval": 8},
+    "lazy": {"window": 8},
+    "ams:tova": {"interval": 8, "recent": 8},
+    "caote:tova": {},
+    "expected": {"interval": 8},
+}
+
+
+def policy_for(name):
+    return None if name == "full" else make_policy(name, budget=BUDGET, **POLICIES[name])
+
+
+def run(smollm, prompts, name, compile, n=48, **kw):
+    model, tok = smollm
+    return generate(model, tok, prompts, policy_for(name), GenerateConfig(max_new_tokens=n, compile=compile, **kw))
+
+
+# One every-step and one interval policy (and full) in the default suite; the rest run with
+# `make test-slow` (each costs 30-60 s of tracing on 2 cores).
+DEFAULT_SUITE = ("full", "tova", "snapkv")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in POLICIES])
+def test_step_compiles_as_one_graph_and_equals_eager(smollm, name):
+    """fullgraph=True traces every decode step of the run (a host sync or graph break would
+    raise), and the compiled run's greedy tokens equal the eager run's, through compression
+    cycles and a row finishing early (the batch then shrinks to its bucket of one row)."""
+    eager = run(smollm, EARLY, name, compile=False)
+    with compile_backend("eager"):
+        compiled = run(smollm, EARLY, name, compile=True)
+    assert compiled.token_ids == eager.token_ids
+    assert [s.finish_reason for s in compiled.stats] == [s.finish_reason for s in eager.stats]
+    if name in DEFAULT_SUITE:  # these keep the short answer: its row leaves the batch early
+        assert [s.finish_reason for s in compiled.stats] == ["length", "eos"]
+    assert compiled.stats[0].compiled_steps > 0
+    if name != "full":
+        assert compiled.stats[0].compression_events >= 3
+        assert [s.compression_events for s in compiled.stats] == [s.compression_events for s in eager.stats]
+        assert [s.peak_kv_tokens for s in compiled.stats] == [s.peak_kv_tokens for s in eager.stats]
+
+
+@pytest.mark.parametrize("name", ["full", "tova", pytest.param("snapkv", marks=pytest.mark.slow)])
+def test_no_recompile_after_warm_up(smollm, name):
+    """Once a shape has been compiled, another run with prompts of other lengths (in the same
+    capacity bucket for ``full``), several compression cycles and rows leaving compiles nothing:
+    Dynamo is told to fail on any recompile."""
+    model, tok = smollm
+    with compile_backend("eager"):
+        run(smollm, EARLY, name, compile=True)  # warm-up: batch buckets 2 and 1
+        other = ["Count from 1 to 100, separated by commas please.", "Say hi."]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again = run(smollm, other, name, compile=True)
+    assert again.stats[0].compiled_steps > 0
+    if name != "full":
+        assert again.stats[0].compression_events >= 3
+
+
+def test_host_hook_policies_say_so_and_run_eagerly(smollm):
+    """SkipKV tracks sentences with a per-token host hook: compile=True warns once and decodes
+    eagerly, with the eager tokens."""
+    model, tok = smollm
+    policy = make_policy("skipkv", budget=64)
+    eager = generate(model, tok, EARLY[:1], policy, GenerateConfig(max_new_tokens=12))
+    import kvsieve.session as session_module
+
+    session_module._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="host hooks"):
+        compiled = generate(model, tok, EARLY[:1], policy, GenerateConfig(max_new_tokens=12, compile=True))
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats[0].compiled_steps == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_inductor_step_equals_eager(smollm, name):
+    """The real backend (Inductor's generated C++ kernels): same greedy tokens as eager."""
+    eager = run(smollm, EARLY, name, compile=False, n=32)
+    compiled = run(smollm, EARLY, name, compile=True, n=32)
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats[0].compiled_steps > 0
