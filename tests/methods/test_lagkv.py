@@ -14,6 +14,7 @@ import kvsieve.attention as attention_module
 from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import make_policy
+from kvsieve.methods.lagkv import LagKV
 from kvsieve.policy import compress, compress_layer, drop_dead
 
 H, D = 2, 3
@@ -232,20 +233,86 @@ def test_ratio_one_never_compresses_and_bad_settings_are_rejected():
         make_policy("lagkv", budget=18).for_horizon(500)
 
 
-@pytest.mark.parametrize("budget", [40, 64, 128, 256, 1000])
-@pytest.mark.parametrize("horizon", [60, 300, 662, 4096])
-def test_budget_fit_keeps_eq_10_peak_within_the_budget(budget, horizon):
-    """kvsieve's budget rule: Eq. (10)'s largest cache over n <= horizon, including the uncompressed
-    window just before a compression, stays <= budget whenever k = 1 fits."""
+def simulated_peak(S: int, L: int, k: int, n_total: int) -> int:
+    """Sec. 2.2's recursion fed one token at a time, counting tokens only: S sinks, then the
+    compressed part, then the rest; when the rest reaches 2L tokens ("skip the compression if
+    ... less than 2L"), it is cut into partitions of L and every full one but the last keeps k
+    tokens (the last plus the modulo stay as the sliding window).  Returns the most tokens held
+    at any moment: after a token arrives, before the compression it triggers."""
+    compressed = rest = peak = 0
+    for n in range(1, n_total + 1):
+        rest += n > S
+        peak = max(peak, min(n, S) + compressed + rest)
+        if rest >= 2 * L:
+            done = rest // L - 1
+            compressed += done * min(k, L)
+            rest -= done * L
+    return peak
+
+
+PAPER_GRID = [(L, r) for L in (128, 512, 1024) for r in (1 / 2, 1 / 4, 1 / 6, 1 / 8)]  # Sec. 3.1, S = 16
+# (budget, horizon): 12 pairs below S + 2L = 272 or where the grid cannot use 80% of the budget
+# (off the grid), 8 where a Sec. 3.1 setting can; issue 28's case is (128, 700)
+FIT_PAIRS = [(64, 100), (64, 200), (100, 700), (128, 300), (128, 700), (128, 1100), (200, 662), (256, 700),
+             (256, 1500), (256, 4096), (300, 1000), (400, 900), (512, 662), (512, 1100), (512, 2000), (700, 2000),
+             (1000, 4096), (1024, 1100), (2048, 4096), (3000, 8192)]
+
+
+@pytest.mark.parametrize("budget,horizon", FIT_PAIRS)
+def test_budget_fit_peak_uses_80_to_100_percent_of_the_budget_and_stays_in_the_paper_grid_when_it_can(budget, horizon):
+    """kvsieve's budget rule, checked by simulating the partition schedule: the peak is within the
+    budget and uses at least 80% of it; a Sec. 3.1 (L, r) is chosen whenever one can do that (and
+    then the one with the largest rL, Sec. 3.3), and a fit off the grid says so."""
     scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
     S, L, k = scorer.sinks, scorer.lag, scorer.kept
-    assert L & (L - 1) == 0 and 4 * L <= budget - S and 1 <= k <= L
-    peak = max(retained(n, S, L, k) if n >= S + 2 * L else n for n in range(1, horizon + 1))
-    partitions = max(1, (horizon - S) // L - 1)
-    if S + partitions + 2 * L - 1 <= budget:  # k = 1 fits: the rule guarantees the budget
-        assert peak <= budget
-    if horizon <= budget:
-        assert peak == horizon  # nothing has to go
+    assert S == 16 and k == max(1, round(scorer.ratio * L)) and 1 <= k < L
+    peak = simulated_peak(S, L, k, horizon)
+    assert 0.8 * budget <= peak <= budget, (L, k, peak)
+    grid = {(gL, r): max(1, round(r * gL)) for gL, r in PAPER_GRID}
+    usable = [gk for (gL, r), gk in grid.items() if 0.8 * budget <= simulated_peak(S, gL, gk, horizon) <= budget]
+    on_grid = L in (128, 512, 1024) and any(math.isclose(scorer.ratio, r) for r in (1 / 2, 1 / 4, 1 / 6, 1 / 8))
+    assert scorer.in_paper_grid == on_grid == bool(usable)
+    if usable:
+        assert k == max(usable) and "Sec. 3.1 grid" in scorer.fit_note
+    else:
+        assert "OFF the paper's grid" in scorer.fit_note
+    assert f"peaks at {peak} tokens" in scorer.fit_note
+
+
+def test_fit_pairs_cover_both_sides_of_the_grid():
+    """The 20 pairs exercise the rule on and off the grid (by simulation, not by the fit)."""
+    usable = [any(0.8 * b <= simulated_peak(16, L, max(1, round(r * L)), h) <= b for L, r in PAPER_GRID)
+              for b, h in FIT_PAIRS]
+    assert len(FIT_PAIRS) == 20 and 5 <= usable.count(True) <= 15 and all(h > b for b, h in FIT_PAIRS)
+
+
+@pytest.mark.parametrize("budget,horizon", [(256, 200), (1000, 700), (5000, 4096)])
+def test_budget_fit_at_a_horizon_within_the_budget_compresses_nothing(budget, horizon):
+    scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
+    assert simulated_peak(scorer.sinks, scorer.lag, scorer.kept, horizon) == horizon
+    assert scorer.ratio == 1 and not scorer.in_paper_grid and "nothing has to go" in scorer.fit_note
+
+
+def test_budget_fit_that_cannot_stay_within_the_budget_says_so_with_the_smallest_peak():
+    budget, horizon = 40, 300
+    scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
+    peak = simulated_peak(scorer.sinks, scorer.lag, scorer.kept, horizon)
+    smallest = min(simulated_peak(16, L, 1, horizon) for L in range(2, horizon))
+    assert scorer.kept == 1 and peak == smallest > budget
+    assert not scorer.in_paper_grid and "OVER the budget" in scorer.fit_note and f"{peak} tokens" in scorer.fit_note
+
+
+def test_hand_settings_are_flagged_against_the_grid_and_the_fit_fields_are_fitted_per_batch():
+    assert make_policy("lagkv").scorer.in_paper_grid  # L 128, r 1/4
+    assert make_policy("lagkv", lag=1024, ratio=1 / 6).scorer.in_paper_grid
+    assert not make_policy("lagkv", lag=32).scorer.in_paper_grid
+    assert not make_policy("lagkv", ratio=0.3).scorer.in_paper_grid
+    assert not make_policy("lagkv", in_paper_grid=True, lag=64).scorer.in_paper_grid  # derived, never taken
+    settings = make_policy("lagkv", budget=128).for_horizon(700).settings()
+    assert settings["in_paper_grid"] is False and "OFF the paper's grid" in settings["fit_note"]
+    assert {"lag", "ratio", "in_paper_grid", "fit_note"} <= set(LagKV.fitted_fields)  # resume compares the rest
+    with pytest.raises(ValueError, match="min_fill"):
+        make_policy("lagkv", min_fill=1.5)
 
 
 # ============================================================================ end to end (bundled model)
@@ -280,3 +347,20 @@ def test_long_row_compresses_without_attention_weights_short_row_is_untouched(sm
     assert result.stats[0].final_kv_tokens == [n_kv * fed[0]] * 30
     assert result.stats[1].final_kv_tokens == [n_kv * retained(fed[1], S, L, k)] * 30
     assert result.stats[1].compression_events >= 1
+
+
+def test_a_fitted_run_on_the_bundled_model_peaks_within_80_to_100_percent_of_the_budget(smollm):
+    """The engine's own peak count (every layer, before each compaction) for a budget fit off the
+    grid: the prompt (38 tokens) is below the budget, so only the partition schedule sets the peak."""
+    budget, new = 64, 40
+    result = generate(*smollm, [SHORT], make_policy("lagkv", budget=budget),
+                      GenerateConfig(max_new_tokens=new, ignore_eos=True))
+    stat, settings = result.stats[0], result.settings
+    fed = stat.prompt_tokens + new - 1
+    assert stat.prompt_tokens < budget and settings["in_paper_grid"] is False
+    S, L = settings["sinks"], settings["lag"]
+    expected = simulated_peak(S, L, max(1, round(settings["ratio"] * L)), fed)
+    assert 0.8 * budget <= expected <= budget
+    n_kv = smollm[0].config.num_key_value_heads
+    assert stat.peak_kv_tokens == [n_kv * expected] * len(stat.peak_kv_tokens)
+    assert stat.compression_events >= 2

@@ -1,11 +1,12 @@
-"""LazyEviction: Algorithm 1's TS/MRI update (Eq. 1), H1, H2 and I_t (Eq. 2) on hand-made
-tensors; lagged eviction (Eq. 5) and its schedule; end to end on the bundled SmolLM2."""
+"""LazyEviction: Algorithm 1's TS/MRI update (Eq. 1) over decoding steps, H1, H2 and I_t (Eq. 2)
+on hand-made tensors; lagged eviction (Eq. 5); its schedule and peak end to end on the bundled
+SmolLM2."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -14,9 +15,8 @@ from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import make_policy
 from kvsieve.methods.lazy import LazyEviction, h1_score, h2_score, importance
+from kvsieve import policy as policy_module
 from kvsieve.policy import compress_layer
-
-gen_module = importlib.import_module("kvsieve.generate")
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
 MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "
@@ -82,11 +82,12 @@ def test_ts_then_mri_in_algorithm_order_with_mri_from_the_previous_ts():
     assert (meta_at(layer, "ts", 3), meta_at(layer, "mri", 3)) == (3, 0)  # never attended
 
 
-def algorithm1_reference(P: torch.Tensor, alpha: float):
-    """Plain loops: P[q, k] attention of query q on token k; every query one step."""
+def algorithm1_reference(P: torch.Tensor, alpha: float, first_step: int = 0):
+    """Plain loops: P[q, k] attention of query q on token k; queries from ``first_step`` on are
+    steps, each one step; every token starts at TS = its position, MRI 0."""
     n = P.shape[0]
     ts, mri = list(range(n)), [0] * n
-    for q in range(n):
+    for q in range(first_step, n):
         old = list(ts)
         for k in range(q + 1):
             if P[q, k] >= alpha:
@@ -96,11 +97,11 @@ def algorithm1_reference(P: torch.Tensor, alpha: float):
     return ts, mri
 
 
-def test_a_prefill_chunk_equals_its_queries_as_single_steps():
+def test_a_prefill_chunk_equals_its_queries_as_single_steps_when_the_prompt_is_observed():
     g = torch.Generator().manual_seed(0)
     n, alpha = 9, 0.2
     P = torch.rand(n, n, generator=g).tril() * 0.5  # causal rows
-    scorer = LazyEviction(alpha=alpha)
+    scorer = LazyEviction(alpha=alpha, observe_prompt=True)
     chunk = prefill(scorer.meta_init, n)
     layer = chunk.layers[0]
     probs = torch.zeros(1, 1, 1, n, layer.capacity)
@@ -119,6 +120,29 @@ def test_a_prefill_chunk_equals_its_queries_as_single_steps():
     assert max(mri) > 1  # the example has real recurrences
 
 
+def test_by_default_only_decoding_steps_update_timestamps_as_in_algorithm_1():
+    """Sec. 4 / Alg. 1: TS is set to the current *decoding* step; the prompt's queries are no steps."""
+    g = torch.Generator().manual_seed(3)
+    n, prompt, alpha = 10, 6, 0.2
+    P = torch.rand(n, n, generator=g).tril() * 0.5
+    scorer = LazyEviction(alpha=alpha)
+    assert scorer.observe_prompt is False
+    cache = prefill(scorer.meta_init, prompt)
+    layer = cache.layers[0]
+    probs = torch.zeros(1, 1, 1, prompt, layer.capacity)
+    probs[0, 0, 0, :, :prompt] = P[:prompt, :prompt]
+    scorer.observe(layer, probs, torch.arange(prompt)[None])
+    assert layer.meta["ts"][0, 0, :prompt].tolist() == list(range(prompt))  # born, never activated
+    assert layer.meta["mri"][0, 0, :prompt].tolist() == [0] * prompt
+    for q in range(prompt, n):
+        append(cache, q)
+        scorer.observe(layer, row(layer, {k: float(P[q, k]) for k in range(q + 1)}), torch.tensor([[q]]))
+    ts, mri = algorithm1_reference(P, alpha, first_step=prompt)
+    assert layer.meta["ts"][0, 0, :n].tolist() == ts
+    assert layer.meta["mri"][0, 0, :n].tolist() == mri
+    assert (ts, mri) != algorithm1_reference(P, alpha)  # observing the prompt would differ here
+
+
 @pytest.mark.parametrize("how,alpha,activated", [("mean", 5e-4, True), ("mean", 6e-4, False),
                                                  ("max", 6e-4, True), ("sum", 1e-3, True), ("sum", 1.2e-3, False)])
 def test_gqa_reduction_decides_activation(how, alpha, activated):
@@ -132,7 +156,7 @@ def test_gqa_reduction_decides_activation(how, alpha, activated):
 
 
 def test_padding_queries_and_dead_slots_never_activate():
-    scorer = LazyEviction(alpha=1e-4)
+    scorer = LazyEviction(alpha=1e-4, observe_prompt=True)  # a multi-query (prefill) call that is observed
     cache = SieveCache(1, meta_init=scorer.meta_init)
     qpos = torch.tensor([[DEAD_POS, DEAD_POS, 0, 1]])  # a left-padded row
     cache.begin_step(qpos)
@@ -153,35 +177,52 @@ def test_h1_is_two_sigmoid_of_minus_idle_over_mri_with_the_mri_zero_limit():
     assert h1_score(idle, mri).tolist() == pytest.approx(expected, abs=1e-6)
 
 
-def test_h2_decreases_with_mri_stays_in_unit_range_and_is_defined_at_zero_and_one():
-    mri = torch.arange(0, 2000, dtype=torch.float32)
-    for form in ("decreasing", "steep"):
-        h2 = h2_score(mri, form)
-        assert float(h2[0]) == 0.0 and float(h2[1]) == 1.0
-        assert ((h2 >= 0) & (h2 <= 1)).all() and not h2.isnan().any()
-        assert (h2[2:] <= h2[1:-1]).all()  # non-increasing from MRI 1 on
-    assert (h2_score(mri, "decreasing")[2:] < h2_score(mri, "decreasing")[1:-1]).all()  # strictly
-    assert float(h2_score(mri, "decreasing")[-1]) > sig2(-1) - 1e-3  # still ranks large MRIs
-    assert h2_score(torch.tensor([2.0, 5.0]), "decreasing").tolist() == pytest.approx([sig2(-0.5), sig2(-0.8)])
-    assert h2_score(torch.tensor([2.0, 5.0]), "steep").tolist() == pytest.approx([sig2(-1), sig2(-4)])
+def test_default_h2_falls_with_mri_as_the_text_says_and_is_the_printed_formula_without_its_reciprocal():
+    """Sec. 4: "tokens with smaller MRI values have a higher possibility to be important"; App. D:
+    the score is monotonically decreasing with values in [0, 1]; "H2 = 0 if MRI = 0".  The printed
+    2 sigma(-1/(MRI - 1)) with the reciprocal dropped is 2 sigma(-(MRI - 1)), here from math.exp."""
+    assert LazyEviction().h2 == "text"
+    mri = torch.arange(0, 61, dtype=torch.float32)
+    h2 = h2_score(mri)
+    assert float(h2[0]) == 0.0
+    assert (h2[2:] < h2[1:-1]).all()  # strictly falling from MRI 1 on
+    assert ((h2 >= 0) & (h2 <= 1)).all()
+    expected = [0.0] + [2 / (1 + math.exp(m - 1)) for m in range(1, 61)]
+    assert h2.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-30)
+    # the sign flip alone, 2 sigma(1/(MRI - 1)), also falls but leaves App. D's [0, 1]
+    assert all(2 / (1 + math.exp(-1 / (m - 1))) > 1 for m in range(2, 61))
 
 
-def test_printed_h2_is_the_formula_as_printed_rising_with_mri():
-    mri = torch.tensor([0.0, 1.0, 2.0, 3.0, 11.0])
+def test_printed_h2_equals_the_equation_as_printed_and_rises_with_mri():
+    mri = torch.tensor([0.0, 2.0, 3.0, 5.0, 11.0, 100.0])
     h2 = h2_score(mri, "printed")
-    assert h2.tolist() == pytest.approx([0.0, 0.0, sig2(-1), sig2(-0.5), sig2(-0.1)], abs=1e-6)
-    assert (h2[2:] > h2[1:-1]).all()  # increasing: the contradiction the default resolves
+    printed = [0.0] + [2 / (1 + math.exp(-(-1 / (m - 1)))) for m in (2, 3, 5, 11, 100)]  # 2 sigma(-1/(MRI-1))
+    assert h2.tolist() == pytest.approx(printed, rel=1e-6)
+    assert (h2[2:] > h2[1:-1]).all()  # rising: the contradiction the default resolves
+    assert float(h2_score(torch.tensor([1.0]), "printed")) == 0.0  # undefined; the limit MRI -> 1+
+
+
+def test_scaled_h2_is_kvsieves_own_falling_form_and_old_names_point_to_the_new_ones():
+    mri = torch.arange(1, 2001, dtype=torch.float32)
+    h2 = h2_score(mri, "scaled")
+    assert h2.tolist() == pytest.approx([2 / (1 + math.exp((m - 1) / m)) for m in range(1, 2001)], rel=1e-5)
+    assert (h2[1:] < h2[:-1]).all() and float(h2[-1]) > 2 / (1 + math.e) - 1e-3
+    for old, new in (("decreasing", "scaled"), ("steep", "text")):
+        with pytest.raises(ValueError, match=f"'{old}' is now '{new}'"):
+            LazyEviction(h2=old)
+        with pytest.raises(ValueError, match=f"'{old}' is now '{new}'"):
+            h2_score(mri, old)
 
 
 def test_importance_is_h1_plus_h2_except_h1_alone_at_mri_zero():
     idle = torch.tensor([2.0, 0.0, 4.0])
     mri = torch.tensor([4.0, 0.0, 0.0])
-    assert importance(idle, mri).tolist() == pytest.approx([sig2(-0.5) + sig2(-0.75), 1.0, 0.0], abs=1e-6)
+    assert importance(idle, mri).tolist() == pytest.approx([sig2(-0.5) + sig2(-3), 1.0, 0.0], abs=1e-6)
     assert importance(idle, mri, "printed")[0] == pytest.approx(sig2(-0.5) + sig2(-1 / 3))
 
 
 def test_score_reads_t_from_seen_tokens_and_uses_the_stored_state():
-    scorer = LazyEviction(h2="steep")
+    scorer = LazyEviction()
     cache = prefill(scorer.meta_init, 3)
     layer = cache.layers[0]
     layer.meta["ts"][0, 0, :3] = torch.tensor([0.0, 6.0, 9.0])
@@ -212,31 +253,6 @@ def test_lagged_eviction_keeps_the_w_newest_and_the_top_b_minus_w():
             evicted = [p for p in range(N - W) if p not in kept]
             assert len(old_kept) == B_ - W
             assert min(float(imp[b, h, p]) for p in old_kept) >= max(float(imp[b, h, p]) for p in evicted)
-
-
-@pytest.mark.parametrize("name", ["lazy", "h2o"])
-def test_observation_window_schedule_compresses_every_w_steps_and_peaks_at_b_plus_w(name):
-    """Table 3: any scorer with interval=W, recent=W; lazy's defaults are that schedule."""
-    B_, W = 12, 4
-    policy = make_policy(name, budget=B_, window=W) if name == "lazy" else make_policy(name, budget=B_, interval=W, recent=W)
-    assert (policy.interval, policy.recent) == (W, W)
-    g = torch.Generator().manual_seed(2)
-    cache = prefill(policy.scorer.meta_init, 6, B=2, H=2)
-    layer = cache.layers[0]
-    peak, compressed_at = 0, []
-    for step in range(40):
-        p = 6 + step
-        append(cache, p)
-        visible = layer.live() & (layer.meta["pos"] <= p)
-        probs = torch.randn(2, 2, 1, 1, layer.capacity, generator=g).masked_fill(~visible[:, :, None, None], -1e9)
-        policy.scorer.observe(layer, probs.softmax(-1), torch.full((2, 1), p))
-        peak = max(peak, int(layer.lengths.max()))
-        if (step + 1) % policy.interval == 0 and policy.scorer.should_compress(layer, B_):
-            compress_layer(layer, policy, B_, torch.full((2,), p + 1))
-            assert (layer.lengths == B_).all()
-            compressed_at.append(step + 1)
-    assert peak == B_ + W
-    assert compressed_at and all(s % W == 0 for s in compressed_at)
 
 
 def test_schedule_defaults_derive_from_window_and_prefill_is_not_compressed():
@@ -292,8 +308,9 @@ def test_budget_at_least_length_reproduces_full_greedy(smollm):
 
 def watch_compress(monkeypatch):
     """Record (lengths before, lengths after, seen_tokens, did, slots allocated before) of every
-    compression call."""
-    calls, original = [], gen_module.compress
+    call of ``kvsieve.policy.compress`` by the engine (patched in every kvsieve module that
+    imported it, wherever the engine keeps its loop)."""
+    calls, original = [], policy_module.compress
 
     def watched(cache, policy, budgets):
         before = [layer.lengths.clone() for layer in cache.layers]
@@ -303,23 +320,41 @@ def watch_compress(monkeypatch):
                       capacity))
         return did
 
-    monkeypatch.setattr(gen_module, "compress", watched)
+    users = [m for name, m in list(sys.modules.items()) if name.startswith("kvsieve") and
+             getattr(m, "compress", None) is original]
+    assert len(users) >= 2  # kvsieve.policy and the engine module that calls it
+    for module in users:
+        monkeypatch.setattr(module, "compress", watched)
     return calls
 
 
-def test_small_budget_stays_within_b_plus_w_and_drops_to_b(smollm, monkeypatch):
-    B_, W = 48, 16
+@pytest.mark.parametrize("name", ["lazy", "h2o"])
+def test_compressions_fall_exactly_on_decoding_steps_kw_while_the_cache_exceeds_b(smollm, monkeypatch, name):
+    """Alg. 1 line 8 (evict at t = kW, only while |K| > B) and Eq. 5 (down to B, the cache peaking
+    at B + W, Fig. 6) for lazy and for Table 3's H2O "+ window" (interval W, recent W), against a
+    replay of that rule on the rows' lengths: each decoding step adds one token to each row."""
+    B_, W, new = 52, 8, 30
+    policy = (make_policy("lazy", budget=B_, window=W, family="llama") if name == "lazy"
+              else make_policy("h2o", budget=B_, interval=W, recent=W))
     calls = watch_compress(monkeypatch)
-    result = run(smollm, [SHORT, MEDIUM], make_policy("lazy", budget=B_, window=W, family="llama"), 64)
-    assert [s.prompt_tokens for s in result.stats] == [38, 42]  # prompts fit the budget
-    assert calls and all(did for _, _, _, did, _ in calls)
-    prompt = torch.tensor([38, 42])
-    for before, after, seen, _, _ in calls:
-        assert ((seen - prompt) % W == 0).all()  # only on decode steps t = kW
-        assert all((x <= B_ + W).all() for x in before)
-        assert all((x == B_).all() for x in after)
-    for stat in result.stats:  # peaks at B + W per kv head (3 kv heads), in every layer
-        assert stat.peak_kv_tokens == [3 * (B_ + W)] * 30 and stat.compression_events == len(calls)
+    model, tok = smollm
+    result = generate(model, tok, [SHORT, MEDIUM], policy, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+    prompt = [s.prompt_tokens for s in result.stats]
+    assert prompt == [38, 42]  # both below B: only decoding steps can trigger an eviction
+    lengths, expected = list(prompt), []
+    for t in range(1, new):  # new - 1 decoding steps feed the sampled tokens back
+        lengths = [n + 1 for n in lengths]
+        if t % W == 0 and max(lengths) > B_:
+            expected.append(t)
+            lengths = [min(n, B_) for n in lengths]
+    assert expected == [16, 24]  # t = 8 is skipped (|K| = 50 <= B); the row over B at t = 11 waits for 16
+    done = [(after, seen) for _, after, seen, did, _ in calls if did]
+    assert [(seen - torch.tensor(prompt)).tolist() for _, seen in done] == [[t, t] for t in expected]
+    assert all((x == B_).all() for after, _ in done for x in after)  # every layer, row and kv head at B
+    n_kv = model.config.num_key_value_heads
+    for stat in result.stats:
+        assert stat.compression_events == len(expected)
+        assert stat.peak_kv_tokens == [n_kv * (B_ + W)] * model.config.num_hidden_layers
 
 
 def test_the_prompt_is_not_compressed_at_prefill(smollm, monkeypatch):

@@ -1,21 +1,24 @@
 """LazyEviction: lagged eviction that keeps tokens whose attention recurs.
 
 Based on "LazyEviction: Lagged KV Eviction with Attention Pattern Observation for Efficient
-Long Reasoning" (ACL submission, Sec. 4, Algorithm 1, App. A-D, H).  Every step each cached
-token's TS and MRI are updated from the current query's attention (Alg. 1 lines 1-6, Eq. 1;
-see ``_timestamps`` for the clock, the GQA reduction and the initial values).  Every W decode
-steps, and only while the cache holds more than B tokens, the W newest tokens are kept plus
-the B - W with the highest importance I_t (Eqs. 2, 5); the cache peaks at B + W (Fig. 6).
+Long Reasoning" (ACL submission, Sec. 4, Algorithm 1, App. A-D, H).  Every decoding step each
+cached token's TS and MRI are updated from the current query's attention (Alg. 1 lines 1-6,
+Eq. 1; see ``_timestamps`` for the clock, the GQA reduction and the initial values).  Every W
+decode steps, and only while the cache holds more than B tokens, the W newest tokens are kept
+plus the B - W with the highest importance I_t (Eqs. 2, 5); the cache peaks at B + W (Fig. 6).
 
 On the engine: ``interval = W, recent = W, budget = B``, the defaults derived from ``window``
 (Alg. 1 line 8's ``B >= |K|`` is a typo for ``|K| > B``, the engine's ``should_compress``).
 The prompt is not compressed at prefill (``compress_prefill`` defaults to False); its tokens
-are born at their own position with MRI 0 and scored like generated ones (App. H.2).
+are born at their own position with MRI 0 and scored like generated ones (App. H.2).  Their
+queries are not tracking steps (``observe_prompt=False``): Alg. 1's step t is a decoding step.
 
-Observation-window schedule for any scorer (Table 3): ``interval=W, recent=W``.  The paper's
-H2O baseline keeps W recent tokens and evicts every step (App. C): ``make_policy("h2o",
-budget=B, recent=W)``; Table 3's "+ window" rows evict every W steps with the same window:
-``make_policy("h2o", budget=B, interval=W, recent=W)``, likewise for ``tova`` and ``raas``.
+Baselines of the paper's comparison.  Its H2O keeps W recent tokens, W being LazyEviction's
+window ("the number of recent tokens in H2O is equal to LazyEviction's window size", App. C),
+and evicts every step: ``make_policy("h2o", budget=B, recent=W)`` (``h2o``'s own default,
+``recent = B // 2``, is not that baseline).  Table 3's "+ window" rows use the observation-
+window schedule, evicting every W steps with the same window: ``make_policy("h2o", budget=B,
+interval=W, recent=W)``, likewise for ``tova`` and ``raas``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import torch
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
 from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
 
-H2_FORMS = ("decreasing", "steep", "printed")
+H2_FORMS = ("text", "printed", "scaled")
+# Names before issue 28, refused with a pointer: "decreasing" (then the default) is kvsieve's own
+# form, not a reading of the paper; "steep" was the smallest change the text asks for, now "text".
+_RENAMED_H2 = {"decreasing": "scaled", "steep": "text"}
 
 
 def h1_score(idle: torch.Tensor, mri: torch.Tensor) -> torch.Tensor:
@@ -42,28 +48,43 @@ def h1_score(idle: torch.Tensor, mri: torch.Tensor) -> torch.Tensor:
     return 2 * torch.sigmoid(-ratio)
 
 
-def h2_score(mri: torch.Tensor, form: str = "decreasing") -> torch.Tensor:
-    """H2, the recurrence-frequency term of Eq. (2); 0 at MRI 0 in every form (Sec. 4).
+def h2_score(mri: torch.Tensor, form: str = "text") -> torch.Tensor:
+    """H2, the recurrence-frequency term of Eq. (2); 0 at MRI 0 in every form (Sec. 4: "if
+    MRI = 0 ... H2 = 0").  MRI counts steps, so it is 0 or at least 1.
 
-    The printed 2 sigma(-1/(MRI - 1)) rises with MRI and is undefined at MRI 1, while Sec. 4
-    and App. D require H2 to fall with MRI inside [0, 1].  "decreasing" (default)
-    2 sigma(-(MRI - 1)/MRI) is 1 at MRI 1 and falls to 2 sigma(-1) = 0.54, so it still ranks
-    the MRIs the paper reports (tens to hundreds, Fig. 3c) as Table 4's ablation implies;
-    "steep" 2 sigma(-(MRI - 1)) is about 0 beyond MRI 8; "printed" as printed, 0 at MRI 1.
+    Sec. 4 prints H2 = 2 sigma(-1/(MRI - 1)), which *rises* with MRI (from 0 at MRI -> 1+ to 1)
+    and is undefined at MRI 1, while its words, "tokens with smaller MRI values have a higher
+    possibility to be important ... H2-Score prioritizes tokens with smaller MRI values", and
+    App. D's two properties of the score functions, "(1) monotonically decreasing" and "(2) ...
+    within the range of [0, 1]", want it to fall.  The forms:
+
+    "text" (default): 2 sigma(-(MRI - 1)), the printed formula with the reciprocal dropped.  The
+        smallest change of the printed formula that satisfies the words and App. D: it falls
+        from 1 at MRI 1 (recurring every step) towards 0, stays in [0, 1] and is defined at
+        MRI 1.  (Flipping only the sign, 2 sigma(1/(MRI - 1)), also falls, but lies in (1, 2),
+        against App. D's range, and stays undefined at MRI 1.)  It is near 0 beyond MRI ~8.
+    "printed": 2 sigma(-1/(MRI - 1)) as printed, rising; MRI 1 takes the limit MRI -> 1+, 0.
+    "scaled": 2 sigma(-(MRI - 1)/MRI), kvsieve's own decreasing form, not in the paper: 1 at
+        MRI 1, falling only to 2 sigma(-1) = 0.54, so it still ranks MRIs of tens to hundreds
+        (Fig. 3c); kvsieve's default before issue 28 (then called "decreasing").
     """
     m = mri.clamp(min=1)
-    if form == "decreasing":  # deviation: printed H2 rises with MRI; Sec. 4 / App. D say it must fall
-        arg = -(m - 1) / m
-    elif form == "steep":
+    if form == "text":  # deviation: the printed H2 rises with MRI; Sec. 4's words and App. D say it falls
         arg = -(m - 1)
     elif form == "printed":
         arg = -1 / (m - 1)  # -inf at MRI 1
+    elif form == "scaled":  # kvsieve's own form
+        arg = -(m - 1) / m
     else:
-        raise ValueError(f"unknown H2 form {form!r}; use one of {list(H2_FORMS)}")
+        raise ValueError(f"unknown H2 form {form!r}; use one of {list(H2_FORMS)}{_renamed_hint(form)}")
     return torch.where(mri > 0, 2 * torch.sigmoid(arg), 0.0)
 
 
-def importance(idle: torch.Tensor, mri: torch.Tensor, form: str = "decreasing") -> torch.Tensor:
+def _renamed_hint(form) -> str:
+    return f" ({form!r} is now {_RENAMED_H2[form]!r})" if form in _RENAMED_H2 else ""
+
+
+def importance(idle: torch.Tensor, mri: torch.Tensor, form: str = "text") -> torch.Tensor:
     """I_t, Eq. (2): H1 + H2 where MRI != 0, H1 alone where MRI = 0."""
     h1 = h1_score(idle, mri)
     return torch.where(mri != 0, h1 + h2_score(mri, form), h1)
@@ -90,7 +111,9 @@ class LazyEviction(Scorer):
         W, the eviction interval and the protected recent window (Sec. 4).  25 is the paper's
         W for GSM8K (Table 3; best of Table 9, DS-Llama-8B).  App. C sets W to the 80th
         percentile of MRI: ``"auto"`` reads it from ``analysis``.  Must be below the budget B
-        (checked when the policy is built with its default recent window).
+        (checked when the policy is built with its default recent window).  The paper's H2O
+        baseline keeps the same W recent tokens (App. C): ``make_policy("h2o", budget=B,
+        recent=W)``.
     alpha : float | None, default None
         Activation threshold (Alg. 1 line 2).  None: the Table 10 value for ``family``.
     family : str, default "qwen2"
@@ -100,11 +123,19 @@ class LazyEviction(Scorer):
     head_reduction : str, default "mean"
         Reduction of a GQA group's attention onto its kv head ("mean", "max", "sum"); not
         fixed by the paper.  alpha assumes one softmax row's scale, which "mean" keeps.
-    h2 : str, default "decreasing"
-        H2 form: "decreasing", "steep" or "printed" (see ``h2_score``).
-    observe_prompt : bool, default True
-        The prompt's queries count as steps.  False: prompt tokens keep TS = their position and
-        MRI 0 until decoding starts (multi-query calls are not observed).
+    h2 : str, default "text"
+        H2 form (see ``h2_score``): "text", the paper's words (Sec. 4: smaller MRI, higher H2;
+        App. D: decreasing, in [0, 1]) by the smallest change of its printed formula, which
+        rises with MRI instead; "printed", the formula as printed; "scaled", kvsieve's own
+        decreasing form (the default before issue 28).
+    observe_prompt : bool, default False
+        Whether the prompt's queries count as tracking steps.  False (the paper): Alg. 1 runs
+        lines 1-6 at each step t of its input, a decoding step ("its latest timestamp is
+        updated to the value of current decoding step t ... during the whole decoding phase",
+        Sec. 4, Recurrence Interval Tracking; App. B; App. E.2 charges the tracking to decode
+        steps), so prompt tokens keep TS = their position and MRI 0 until decoding starts (the
+        engine's multi-query calls are not observed; a prefill chunk of one token would be).
+        True: every prompt query is a step as well (kvsieve's default before issue 28).
     analysis : str, default "kvsieve-mri.json"
         File written by ``kvsieve analyze mri``, read when ``window="auto"``.
     """
@@ -113,7 +144,9 @@ class LazyEviction(Scorer):
     slot_order_free = True  # per-token scores: the engine may evict in place
     interval_doc = "window (W)"
     source = ("LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / App. C "
-              "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated)")
+              "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 falling "
+              "with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
+              "timestamps over decoding steps only (Sec. 4, Alg. 1)")
     meta_init = {"ts": TS_UNSET, "mri": 0.0}  # new tokens: born now (TS = own position), MRI 0 (Sec. 4)
     observes = True
     default_compress_prefill = False  # App. H.2: the prompt is scored, never cut at prefill
@@ -124,8 +157,8 @@ class LazyEviction(Scorer):
     alpha: float | None = None
     family: str = "qwen2"
     head_reduction: str = "mean"
-    h2: str = "decreasing"
-    observe_prompt: bool = True
+    h2: str = "text"
+    observe_prompt: bool = False
     analysis: str = "kvsieve-mri.json"
 
     def __post_init__(self):
@@ -135,6 +168,8 @@ class LazyEviction(Scorer):
             raise ValueError(f"lazy window must be a positive integer or 'auto', got {self.window!r}")
         self.alpha = resolve_alpha(self.alpha, self.family, "lazy")
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "lazy head_reduction")
+        if self.h2 in _RENAMED_H2:
+            raise ValueError(f"lazy h2 must be one of {list(H2_FORMS)}{_renamed_hint(self.h2)}")
         check_choice(self.h2, H2_FORMS, "lazy h2")
         self.default_interval = self.window  # lagged eviction every W decode steps
 
