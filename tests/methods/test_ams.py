@@ -212,7 +212,7 @@ def small_cache(policy, seed=0, prompt=(30, 24), decode=6):
     def step(qpos):
         T = qpos.shape[1]
         cache.begin_step(qpos)
-        k, v = cache.update(torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g), 0)
+        k, v = layer.update(torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g), qpos)
         sieve_attention(SimpleNamespace(layer_idx=0), torch.randn(B, H * G, T, D, generator=g) * 2, k, v,
                         scaling=0.35, kvsieve=StepState(cache, qpos, None))
 
@@ -319,6 +319,25 @@ def test_wrapper_registration_settings_and_errors():
         make_policy("ams:tova", budget=20)  # sinks 4 + recent 32
 
 
+def test_settings_report_the_base_scorers_settings():
+    """Policy.settings() holds the base's hyperparameters under "base" (next to AMS's own), so
+    AMS-TOVA and AMS-Expected runs with different base settings are told apart in result rows."""
+    tova = make_policy("ams:tova", budget=64, heads="group").settings()
+    assert tova["base"] == {"heads": "group"} and tova["mass_window"] == 128 and tova["interval"] == 512
+    assert make_policy("ams:tova", budget=64).settings()["base"] == {"heads": "layer"}
+    assert make_policy("ams:expected", budget=64, epsilon=0.05).settings()["base"]["epsilon"] == 0.05
+    assert make_policy("ams-released:rkv", budget=64, window=4).settings()["base"]["window"] == 4
+    assert "base" not in {k for r in describe_methods() if r["name"] == "ams:<base>" for k in r["params"]}
+
+
+def test_decode_only_over_every_base():
+    """App. B.2 / Table 12: AMS compresses only while decoding, also over a base that reads the
+    prompt block-wise on its own (CAOTE, Sec. 4.1); AMS's interval I replaces the base's."""
+    for base in ("tova", "caote:tova", "fastcaote:h2o", "snapkv"):
+        policy = make_policy(f"ams:{base}", budget=64)
+        assert (policy.compress_prefill, policy.prefill_block, policy.interval) == (False, False, 512)
+
+
 # ============================================================================ end to end (SmolLM2)
 
 SHORT = "What is 7 times 8?"
@@ -334,7 +353,7 @@ def test_ams_tova_with_budget_above_length_reproduces_full(smollm):
     assert ours.token_ids == full.token_ids and all(s.compression_events == 0 for s in ours.stats)
 
 
-@pytest.mark.parametrize("name", ["ams:tova", "ams:expected"])
+@pytest.mark.parametrize("name", ["ams:tova", "ams:expected", "ams:caote:tova"])
 def test_small_budget_keeps_exactly_t_keep_per_head_and_peaks_at_t_keep_plus_interval(smollm, name):
     model, tok = smollm
     t_keep, interval = 40, 16

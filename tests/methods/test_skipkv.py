@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvsieve import GenerateConfig, generate
+from kvsieve import policy as policy_module
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.generate import encode_prompts
 from kvsieve.methods import make_policy
@@ -16,7 +15,6 @@ from kvsieve.methods.skipkv import SentenceTable, SkipKV
 from kvsieve.policy import compress_layer
 from kvsieve.steering import DELIMITERS, vocab_ids
 
-gen_module = importlib.import_module("kvsieve.generate")
 END = 0  # the delimiter token id in the hand-made tests
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
 MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
@@ -29,8 +27,8 @@ def one_layer(scorer, pos, G=2, D=8, window=4, seed=0):
     B, T = pos.shape
     cache = SieveCache(1, meta_init=scorer.meta_init, grow_chunk=8)
     cache.begin_step(pos)
-    cache.update(torch.randn(B, 1, T, D, generator=g), torch.randn(B, 1, T, D, generator=g), 0)
     layer = cache.layers[0]
+    layer.update(torch.randn(B, 1, T, D, generator=g), torch.randn(B, 1, T, D, generator=g), pos)
     layer.query_window, layer.scaling = window, D ** -0.5
     layer.remember_queries(torch.randn(B, G, T, D, generator=g), pos)
     return layer
@@ -204,24 +202,28 @@ def test_budget_at_least_length_reproduces_full_greedy(smollm):
 
 
 def test_small_budget_stays_within_budget_plus_interval(smollm, monkeypatch):
+    """Each compression (seen per layer through ``policy.compress_layer``, which the engine's
+    ``compress`` calls for every layer over budget) cuts the layer from at most budget +
+    interval down to the budget, with every live slot labelled and sentence ids in order."""
     budget, interval = 48, 8
-    calls, original = [], gen_module.compress
+    calls, original = [], policy_module.compress_layer
 
-    def watched(cache, policy, budgets):
-        before = [layer.lengths.clone() for layer in cache.layers]
-        did = original(cache, policy, budgets)
-        for layer in cache.layers:  # every live slot labelled, sentence ids in position order
-            sent, live = layer.meta["sent"], layer.live()
-            assert (sent[live] >= 0).all() and (sent[~live] == -1).all()
-            assert (sent[..., 1:][live[..., 1:]] >= sent[..., :-1][live[..., 1:]]).all()
-        calls.append((before, [layer.lengths.clone() for layer in cache.layers], did))
-        return did
+    def watched(layer, policy, layer_budget, seen_tokens):
+        before = layer.lengths.clone()
+        original(layer, policy, layer_budget, seen_tokens)
+        sent, live = layer.meta["sent"], layer.live()  # every live slot labelled, sentence ids in position order
+        assert (sent[live] >= 0).all() and (sent[~live] == -1).all()
+        assert (sent[..., 1:][live[..., 1:]] >= sent[..., :-1][live[..., 1:]]).all()
+        calls.append((tuple(seen_tokens.tolist()), before, layer.lengths.clone()))
 
-    monkeypatch.setattr(gen_module, "compress", watched)
+    monkeypatch.setattr(policy_module, "compress_layer", watched)
     result = run(smollm, make_policy("skipkv", budget=budget, interval=interval), 40)
-    assert calls and all(did for *_, did in calls)
-    for before, after, _ in calls:
-        assert all((x <= budget + interval).all() for x in before)
-        assert all(torch.equal(y, x.clamp(max=budget)) for x, y in zip(before, after))  # down to the budget
+    assert calls
+    for _, before, after in calls:
+        assert (before <= budget + interval).all()
+        assert torch.equal(after, before.clamp(max=budget))  # down to the budget
+    events = {seen for seen, *_ in calls}
+    layers = smollm[0].config.num_hidden_layers
+    assert len(calls) == layers * len(events)  # every layer at every event
     for stat in result.stats:  # 3 kv heads per layer
-        assert stat.peak_kv_tokens == [3 * (budget + interval)] * 30 and stat.compression_events == len(calls)
+        assert stat.peak_kv_tokens == [3 * (budget + interval)] * layers and stat.compression_events == len(events)

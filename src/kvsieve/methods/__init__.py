@@ -13,6 +13,7 @@ import pkgutil
 
 from ..allocators import ALLOCATORS, make_allocator
 from ..policy import SCORERS, Policy
+from ._wrapper import BASE_SETTINGS
 
 # Wrapper methods hold another method's scorer and are named "<prefix>:<base>" (``caote:tova``).
 # Defined before _register_all so a method module can register its wrapper when imported.
@@ -88,7 +89,7 @@ def _make_wrapped(name: str, budget, allocator: str, **settings) -> Policy:
     if prefix not in WRAPPERS:
         raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
     cls = WRAPPERS[prefix]
-    own = {f.name for f in dataclasses.fields(cls) if f.init}
+    own = {f.name for f in dataclasses.fields(cls) if f.init} - {BASE_SETTINGS}  # a report, never set
     wrapper_kw = {k: settings.pop(k) for k in list(settings) if k in own}
     policy = make_policy(base, budget, allocator, **{**getattr(cls, "schedule_defaults", {}), **settings})
     return dataclasses.replace(policy, scorer=cls(policy.scorer, **wrapper_kw))
@@ -104,7 +105,8 @@ def describe_methods() -> list[dict]:
         rows.append({"name": name, "summary": cls.summary, "params": {**params, **schedule}, "source": cls.source})
     for prefix in sorted(WRAPPERS):
         cls = WRAPPERS[prefix]
-        params = {**{f.name: f.default for f in dataclasses.fields(cls) if f.init}, **getattr(cls, "schedule_defaults", {})}
+        own = {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.name != BASE_SETTINGS}
+        params = {**own, **getattr(cls, "schedule_defaults", {})}
         rows.append({"name": f"{prefix}:<base>", "summary": cls.summary, "params": params, "source": cls.source})
     for name, cls in ALLOCATORS.items():
         params = {f.name: f.default for f in dataclasses.fields(cls)}

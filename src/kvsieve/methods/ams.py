@@ -30,9 +30,11 @@ must-keep set is added, and the lowest-scoring non-must tokens are trimmed (or t
 remaining backfilled).
 
 Schedule (App. B.2, Table 12): decode-only.  The prompt is prefilled whole
-(``compress_prefill`` False) and every ``interval`` = I generated tokens (Table 15: 512) each
-layer holding more than T_keep is cut to exactly T_keep per (row, kv head), so the cache peaks
-at T_keep + I (at the first event, prompt + I when the prompt is longer than T_keep).
+(``compress_prefill`` False, and ``prefill_block`` False, so that a base which reads the prompt
+block-wise on its own, ``caote:``/``fastcaote:``, does not evict during prefill under ``ams:``)
+and every ``interval`` = I generated tokens (Table 15: 512) each layer holding more than T_keep
+is cut to exactly T_keep per (row, kv head), so the cache peaks at T_keep + I (at the first
+event, prompt + I when the prompt is longer than T_keep).
 
 Hidden-state buffer (Table 15: 256): in the released controller (kvpress ``DecodingPress``) the
 last <= 256 hidden states of decoded tokens, emptied at every compression, from which a scorer
@@ -52,14 +54,14 @@ tokens once heads differ, so it scores each kv head as its own row (TOVA: its gr
 from __future__ import annotations
 
 import math
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from ..attention import window_attention
 from ..cache import DEAD_POS
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, indices_from_mask, pool_along_sequence, reduce_group
+from ..policy import HEAD_REDUCTIONS, check_choice, indices_from_mask, pool_along_sequence, reduce_group
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 
@@ -279,6 +281,9 @@ class AMS(WrappingScorer):
 
     Parameters (defaults: paper Table 15; settings the paper leaves open: released code)
     ----------
+    base : dict
+        Read-only report of the base scorer's settings (``WrappingScorer``); the base is set
+        up by its own setting names, e.g. ``make_policy("ams:expected", budget=512, epsilon=0.05)``.
     mass_window : int, default 128
         W, recent queries of the quality mass (Table 15).  AMS's own settings that could clash
         with a base's (window, kernel, head_reduction, epsilon) are prefixed ``mass_``.
@@ -308,10 +313,10 @@ class AMS(WrappingScorer):
         Must-keep before quotas (Sec. 3.3) or quotas, then must-keep, then trim ("alg1").
 
     Schedule defaults (``schedule_defaults``): sinks 4 (Table 15), recent 32 (open; released
-    ``always_keep_last=32``), interval I = 512 (Table 15), decode-only (App. B.2, Table 12).
+    ``always_keep_last=32``), interval I = 512 (Table 15), decode-only (App. B.2, Table 12:
+    ``compress_prefill`` and ``prefill_block`` False, whatever the base's own schedule).
     """
 
-    base: InitVar[Scorer | None] = None
     mass_window: int = 128
     delta: float = 0.1
     l_min: int = 16
@@ -331,9 +336,10 @@ class AMS(WrappingScorer):
     summary: ClassVar[str] = "allocate-then-score: attention-mass segments get quotas, the base picks inside"
     source: ClassVar[str] = ("AMS (Yang & Shen) Alg. 1, Sec. 3.2-3.3, App. B.2/B.4, Table 15; "
                              "open settings: released code")
-    schedule_defaults: ClassVar[dict] = {"sinks": 4, "recent": 32, "interval": 512, "compress_prefill": False}
+    schedule_defaults: ClassVar[dict] = {"sinks": 4, "recent": 32, "interval": 512, "compress_prefill": False,
+                                         "prefill_block": False}
 
-    def __post_init__(self, base):
+    def __post_init__(self, inner):
         if self.mass_window < 1 or self.mass_kernel < 1 or self.q_min < 0 or not 1 <= self.l_min <= self.l_max:
             raise ValueError(f"{self.prefix}: need mass_window >= 1, mass_kernel >= 1, q_min >= 0 and "
                              "1 <= l_min <= l_max")
@@ -345,8 +351,8 @@ class AMS(WrappingScorer):
         check_choice(self.padding, ("missing", "suffix"), f"{self.prefix} padding")
         check_choice(self.segmentation, ("row", "batch"), f"{self.prefix} segmentation")
         check_choice(self.order, ("sec3.3", "alg1"), f"{self.prefix} order")
-        self.wrap(self.prefix, base, example="expected")
-        self.meta_init = {**base.meta_init, **({CREDIT: 0.0} if self.use_credit else {})}
+        self.wrap(self.prefix, inner, example="expected")
+        self.meta_init = {**inner.meta_init, **({CREDIT: 0.0} if self.use_credit else {})}
         self.default_sinks, self.default_interval = self.schedule_defaults["sinks"], self.schedule_defaults["interval"]
         self.default_compress_prefill = False
 

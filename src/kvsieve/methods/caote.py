@@ -15,22 +15,27 @@ H2O's sums, gives G = 1).  A base that keeps heads aligned (TOVA's layer average
 token for the whole layer, so its error sums over every head.  Thm. 3.2's exactness needs the
 true per-head attention: ``caote:tova`` with ``heads="group"``.
 
-Schedule (Sec. 2, 4.1): decode evicts one token per new token once at budget (the base's
-interval, 1 for h2o/tova/snapkv); prefill is block-wise, ``prefill_block`` on by default, the
-block m being ``GenerateConfig.prefill_chunk``: the paper uses 128 (``CAOTE.prefill_chunk``),
-so pass ``GenerateConfig(prefill_chunk=128)`` / ``--prefill-chunk 128``.  The m tokens evicted
-after a block are scored independently (App. A).
+Schedule (Sec. 2 "During generation, the flow remains same with m=1"; Thm. 3.2; App. A):
+Eq. (8) is the exact error of evicting *one* token after *one* new token, so while decoding
+every wrapper here compresses every step (``interval`` 1, ``schedule_defaults``), whatever the
+base's own interval (SnapKV's 64, R-KV's and SkipKV's 128); an explicit ``interval=`` still
+wins.  Prefill is block-wise (Sec. 2 Eqs. 3-7, Sec. 4.1), ``prefill_block`` on by default; the
+block m is the paper's 128 (Sec. 4.1, ``CAOTE.prefill_chunk``), used by the engine for every
+block-wise prefill whatever ``GenerateConfig.prefill_chunk`` says.  The m tokens evicted after
+a block are scored independently (App. A: "even assuming multi-token eviction independently").
+To compare with a base as the paper does (Tables 2-10), run the base under the same schedule:
+``interval=1, prefill_block=True`` (its blocks are then 128 tokens too: the paper's bases also
+read the prompt block-wise, Sec. 4.1 and Table 10).
 """
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..cache import DEAD_POS, kv_field, kv_sum
-from ..policy import Scorer
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 
@@ -117,23 +122,37 @@ class _PerQueryHead:
 @register_wrapper("caote")
 @dataclass
 class CAOTE(WrappingScorer):
-    """Attention-output error on top of a base scorer (``caote:<base>``; no own hyperparameters:
-    the base's settings, the budget and the schedule are set as for the base)."""
+    """Attention-output error on top of a base scorer (``caote:<base>``).
 
-    base: InitVar[Scorer | None] = None
+    No own hyperparameters: the base's settings (reported under ``base`` in the policy's
+    settings), the budget, sinks and recent window are set as for the base.
+
+    Schedule defaults (``schedule_defaults``)
+    ----------------------------------------
+    interval : 1
+        One eviction per generated token (Sec. 2 "m=1" during generation, Thm. 3.2), for every
+        base; replaces the base's own default interval.
+    prefill_block : True
+        Compress after every prefill chunk (block-wise prefill, Sec. 2 Eqs. 3-7 and Sec. 4.1).
+        Blocks of m = 128 tokens (``CAOTE.prefill_chunk``, Sec. 4.1), in ``generate``, ``eval``
+        and the CLI alike (``DecodeSession.prefill``).
+    """
+
     summary: ClassVar[str] = "evict the token whose removal changes the attention output least (any base)"
-    source: ClassVar[str] = "CAOTE Sec. 3 (Eqs. 8, 20-21), App. B.2 heads; block-wise prefill m=128 (Sec. 4.1)"
+    source: ClassVar[str] = ("CAOTE Sec. 3 (Eqs. 8, 20-21), App. B.2 heads; one eviction per decode step "
+                             "(Sec. 2, Thm. 3.2); block-wise prefill m=128 (Sec. 4.1)")
     fast: ClassVar[bool] = False
-    schedule_defaults: ClassVar[dict] = {"prefill_block": True}
-    prefill_chunk: ClassVar[int] = 128  # block m of Sec. 4.1; GenerateConfig holds the chunk size
+    schedule_defaults: ClassVar[dict] = {"interval": 1, "prefill_block": True}
+    prefill_chunk: ClassVar[int] = 128  # block m of Sec. 4.1 (DecodeSession.prefill reads it)
+    default_interval: ClassVar[int] = 1  # Sec. 2 / Thm. 3.2: the same as schedule_defaults["interval"]
 
-    def __post_init__(self, base):
-        self.wrap("fastcaote" if self.fast else "caote", base, example="tova")
-        self.kv_fields = tuple(dict.fromkeys((*base.kv_fields, "value_sqnorm")))  # ||v_j||^2 kept per token
+    def __post_init__(self, inner):
+        self.wrap("fastcaote" if self.fast else "caote", inner, example="tova")
+        self.kv_fields = tuple(dict.fromkeys((*inner.kv_fields, "value_sqnorm")))  # ||v_j||^2 kept per token
         if self.fast:  # Eq. 22's mean value from a running sum
-            self.kv_sums = tuple(dict.fromkeys((*base.kv_sums, "value_sum")))
-        self.slot_order_free = base.slot_order_free  # Eq. 8 is per token: order-free iff the base is
-        self.default_sinks, self.default_interval = base.default_sinks, base.default_interval
+            self.kv_sums = tuple(dict.fromkeys((*inner.kv_sums, "value_sum")))
+        self.slot_order_free = inner.slot_order_free  # Eq. 8 is per token: order-free iff the base is
+        self.default_sinks = inner.default_sinks
 
     def default_recent(self, budget):
         return self.inner.default_recent(budget)

@@ -68,7 +68,7 @@ class SentenceTable:
             self.count, self.total = torch.zeros(R, self.capacity, device=dev), torch.zeros(R, self.capacity, d, device=dev)
         self._reserve(T)
         real = query_pos != DEAD_POS
-        end = torch.isin(token_ids, self.delimiter_ids.to(token_ids.device)) & real
+        end = torch.isin(token_ids, self.delimiter_ids) & real
         sid = self.open[rows][:, None] + end.cumsum(1) - end.long()  # [B, T] a sentence includes its delimiter
         flat = (rows[:, None] * self.capacity + sid).reshape(-1)
         weight = real.float().reshape(-1)
@@ -103,7 +103,9 @@ class SentenceTable:
             sim = emb @ emb.transpose(1, 2)  # [B, S, S] PSS: Eq. 1's dot product of normalised v_i = cosine
             idx = torch.arange(S, device=sim.device)
             ok = (idx < self.open[self.rows][:, None]) & (count >= min_tokens)  # closed sentences
-            pair = ok[:, :, None] & ok[:, None, :] & (idx[:, None] < idx[None, :])  # i earlier than j
+            # i strictly earlier than j: Eq. 3 prints i <= j, but lambda_ii = 1 > tau would flag every
+            # sentence; the text ("the earlier sentence i is flagged ..., the later one j is retained") pairs two
+            pair = ok[:, :, None] & ok[:, None, :] & (idx[:, None] < idx[None, :])
             # deviation: with several later partners j, lambda_i is the largest lambda_ij (paper: unspecified)
             best = sim.masked_fill(~pair, float("-inf")).amax(-1)
             self._lam = (key, torch.where(best > tau, best, torch.zeros_like(best)))
@@ -129,8 +131,13 @@ class SkipKV(Scorer):
         "logits": max over the group's scores, then softmax (Sec. 4.1 text and official code);
         "probs": Eq. 4's probabilities max-pooled, then a second softmax (Eq. 4 read literally).
     redundancy : str, default "eq5"
-        "eq5": mean over rows of the row-softmax of key cosines (Eq. 5 as printed); "rkv": softmax
-        of each key's mean cosine (R-KV / official code order).  Self-pairs and dead slots excluded.
+        "eq5": mean over rows of the row-softmax of key cosines (Eq. 5's order of operations);
+        "rkv": softmax of each key's mean cosine (R-KV / official code order).  Dead slots
+        (padding, Eq. 5's mask M) take no part.  Deviation from Eq. 5 as printed, in both modes:
+        a key's similarity to itself (the diagonal of K-bar K-bar^T, always 1) is left out: R-KV,
+        which Eq. 5 follows ("Inspired by R-KV"), scores a key against the *other* keys (its code
+        zeroes that cosine).  Kept in, it would add most to the redundancy of the keys least
+        similar to the others.
     min_sentence_tokens : int, default 2
         Shorter sentences take no part in PSS (official code skips one-token ranges).
     delimiters : tuple of str
@@ -171,7 +178,7 @@ class SkipKV(Scorer):
     @contextlib.contextmanager
     def attach(self, model, tokenizer):
         """For one generate call: sentence table, and a read of the final norm's output."""
-        self.sentences = SentenceTable(vocab_ids(tokenizer, self.delimiters))
+        self.sentences = SentenceTable(vocab_ids(tokenizer, self.delimiters).to(model.device))  # moved once, not per forward
         pending = []
 
         def on_tokens(token_ids, query_pos, rows):
