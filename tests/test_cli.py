@@ -20,6 +20,21 @@ def test_methods_lists_every_method_with_sources():
     assert "arXiv" in result.output
 
 
+def test_version_prints_the_installed_version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    import kvsieve
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    try:
+        installed = version("kvsieve")
+    except PackageNotFoundError:  # source tree on PYTHONPATH: the package's own number
+        installed = kvsieve.__version__
+    assert result.output == f"kvsieve {installed}\n"
+    assert kvsieve.__version__ == installed  # pyproject.toml and kvsieve.__version__ move together
+
+
 def test_unknown_method_lists_the_registered_ones():
     result = runner.invoke(app, ["generate", "--method", "nope", "--budget", "8", "hi"], env={"COLUMNS": "250"})
     assert result.exit_code != 0
