@@ -378,7 +378,8 @@ def test_rkv_score_is_lambda_importance_minus_weighted_redundancy(lam):
 def test_rkv_defaults_window_8_kernel_7_and_redundancy_is_a_distribution_over_live_tokens():
     scorer = RKV()
     assert (scorer.window, scorer.kernel, scorer.mix_lambda, scorer.query_window()) == (8, 7, 0.1, 8)
-    assert make_policy("rkv", budget=64).interval == 128
+    assert make_policy("rkv", budget=512).interval == 128  # R-KV's default interval
+    assert make_policy("rkv", budget=64).interval == 32  # capped at budget // 2: a budget stays a bound
     built = build(9, window=8)
     assert_live_scores(built, scorer.score(built.layer, built.seen), rkv_reference(built, 8, 7, 0.1), atol=1e-6)
     red = scorer.redundancy(built.layer)
@@ -717,3 +718,17 @@ def test_settings_are_routed_to_scorer_schedule_and_allocator():
     s = policy.settings()
     assert s["method"] == "snapkv" and s["allocator"] == "pyramid" and s["allocator_beta"] == 8 and s["window"] == 16
     assert isinstance(make_allocator("adakv", floor=0.3), AdaKV)
+
+
+@pytest.mark.parametrize("name", ["expected", "ams:tova", "ams:expected", "snapkv", "rkv", "skipkv", "lazy"])
+def test_default_interval_is_at_most_half_the_budget_so_a_budget_is_a_bound(name):
+    """Issue 28: expected and AMS default to interval 512 (AMS Table 15, for budgets of 2k and up);
+    at budget 128 a 512-token run would never compress. Unless set, every interval is <= B / 2,
+    so the cache peaks at 1.5 x budget at most; a setting given explicitly is kept."""
+    settings = {"window": 25} if name == "lazy" else {}
+    for budget in (64, 128, 4096):
+        policy = make_policy(name, budget=budget, **settings)
+        assert 1 <= policy.interval <= budget // 2
+        assert policy.settings()["interval"] == policy.interval  # recorded in every result row
+    assert make_policy("expected", budget=4096).interval == 512
+    assert make_policy("expected", budget=128, interval=512).interval == 512

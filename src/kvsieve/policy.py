@@ -187,6 +187,11 @@ class Policy:
         evicted; ``None`` takes the scorer's default.
     interval : int | None
         Compress every ``interval`` decode steps (the cache peaks at budget + interval).
+        ``None`` takes the scorer's default, capped at ``budget // 2`` for a budgeted scorer so
+        that a budget stays a bound (the cache peaks at 1.5 x budget at most): AMS's and
+        ``expected``'s 512 (AMS Table 15) are set for budgets of 2k tokens and up, and at budget
+        128 in a 512-token run they would never compress (issue 28).  An explicit interval is
+        kept as given.
     compress_prefill : bool | None
         Compress the prompt right after prefill when it exceeds the budget; ``None`` takes
         the scorer's default (``default_compress_prefill``).
@@ -220,7 +225,10 @@ class Policy:
             raise ValueError(f"method {self.scorer.name!r} sets its own cache size; drop --budget")
         self.sinks = self.scorer.default_sinks if self.sinks is None else self.sinks
         self.recent = self.scorer.default_recent(self.budget) if self.recent is None else self.recent
-        self.interval = self.scorer.default_interval if self.interval is None else self.interval
+        if self.interval is None:
+            self.interval = self.scorer.default_interval
+            if self.scorer.uses_budget and self.budget is not None:
+                self.interval = max(1, min(self.interval, int(self.budget) // 2))
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks ({self.sinks}) and recent ({self.recent}) must be >= 0")
         if self.interval < 1:

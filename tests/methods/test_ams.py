@@ -303,7 +303,9 @@ def _last_query(layer):
 def test_wrapper_registration_settings_and_errors():
     assert {"ams", "ams-released"} <= set(WRAPPERS)
     paper, released = make_policy("ams:tova", budget=64), make_policy("ams-released:tova", budget=64)
-    assert (paper.sinks, paper.recent, paper.interval, paper.compress_prefill) == (4, 32, 512, False)
+    assert (paper.sinks, paper.recent, paper.interval, paper.compress_prefill) == (4, 32, 32, False)  # 512 capped at B/2
+    assert make_policy("ams:tova", budget=2048).interval == 512  # Table 15's I where the budget allows it
+    assert make_policy("ams:tova", budget=64, interval=512).interval == 512  # an explicit interval is kept
     assert paper.scorer.name == "ams:tova" and paper.scorer.query_window() == 128
     s = released.scorer
     released_values = (s.mass_window, s.delta, s.l_min, s.l_max, s.q_min, s.ema_lambda, s.ema_beta)
@@ -323,7 +325,7 @@ def test_settings_report_the_base_scorers_settings():
     """Policy.settings() holds the base's hyperparameters under "base" (next to AMS's own), so
     AMS-TOVA and AMS-Expected runs with different base settings are told apart in result rows."""
     tova = make_policy("ams:tova", budget=64, heads="group").settings()
-    assert tova["base"] == {"heads": "group"} and tova["mass_window"] == 128 and tova["interval"] == 512
+    assert tova["base"] == {"heads": "group"} and tova["mass_window"] == 128 and tova["interval"] == 32
     assert make_policy("ams:tova", budget=64).settings()["base"] == {"heads": "layer"}
     assert make_policy("ams:expected", budget=64, epsilon=0.05).settings()["base"]["epsilon"] == 0.05
     assert make_policy("ams-released:rkv", budget=64, window=4).settings()["base"]["window"] == 4
@@ -334,7 +336,7 @@ def test_decode_only_over_every_base():
     """App. B.2 / Table 12: AMS compresses only while decoding, also over a base that reads the
     prompt block-wise on its own (CAOTE, Sec. 4.1); AMS's interval I replaces the base's."""
     for base in ("tova", "caote:tova", "fastcaote:h2o", "snapkv"):
-        policy = make_policy(f"ams:{base}", budget=64)
+        policy = make_policy(f"ams:{base}", budget=2048)
         assert (policy.compress_prefill, policy.prefill_block, policy.interval) == (False, False, 512)
 
 

@@ -91,7 +91,11 @@ def _make_wrapped(name: str, budget, allocator: str, **settings) -> Policy:
     cls = WRAPPERS[prefix]
     own = {f.name for f in dataclasses.fields(cls) if f.init} - {BASE_SETTINGS}  # a report, never set
     wrapper_kw = {k: settings.pop(k) for k in list(settings) if k in own}
-    policy = make_policy(base, budget, allocator, **{**getattr(cls, "schedule_defaults", {}), **settings})
+    defaults = dict(getattr(cls, "schedule_defaults", {}))
+    if "interval" in defaults and budget is not None and "interval" not in settings:
+        # the wrapper's default interval obeys the same cap as a scorer's (Policy: budget // 2)
+        defaults["interval"] = max(1, min(defaults["interval"], int(budget) // 2))
+    policy = make_policy(base, budget, allocator, **{**defaults, **settings})
     return dataclasses.replace(policy, scorer=cls(policy.scorer, **wrapper_kw))
 
 
