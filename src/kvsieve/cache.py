@@ -155,8 +155,10 @@ class SieveLayer(CacheLayerMixin):
         if needed <= self.capacity:
             return
         new_cap = max(needed, self.capacity + self.grow_chunk)
-        if self.capacity_hint is not None and needed <= self.capacity_hint:
-            new_cap = min(new_cap, self.capacity_hint)  # past the hint (a long uncompressed prompt): chunks
+        if self.capacity_hint is not None:
+            # within the hint: up to it; past it (a prompt longer than budget + interval, until its
+            # compression): exactly what is needed, never a whole grow_chunk more
+            new_cap = min(new_cap, self.capacity_hint) if needed <= self.capacity_hint else needed
         extra = new_cap - self.capacity
         B, H, _, D = self.keys.shape
         self.keys = torch.cat([self.keys, self.keys.new_zeros(B, H, extra, D)], dim=2)

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .demo import DEMO_METHODS, INSTRUCTION, PROBLEMS
+from .demo import SEED_METHODS
 
 app = typer.Typer(help="kvsieve: bounded KV caches for long generation.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
@@ -183,38 +183,20 @@ def generate(
 def demo(
     model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
     budget: int = typer.Option(64, help="KV tokens per (row, kv head) for the eviction methods."),
-    methods_: str = typer.Option(",".join(DEMO_METHODS), "--methods",
-                                 help="Comma-separated methods to compare."),
-    max_new_tokens: int = typer.Option(160),
+    methods_: str = typer.Option(",".join(SEED_METHODS), "--methods", help="Comma-separated methods to compare."),
+    max_new_tokens: int = typer.Option(160, help="Tokens of the long generation (EOS ignored)."),
+    passkeys: int = typer.Option(3, help="Passkey samples, in contexts of four times the budget."),
+    out: str = typer.Option("runs/demo", help="Folder for the plot."),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
 ):
-    """Three grade-school word problems: full cache vs eviction methods, side by side."""
-    from .generate import GenerateConfig, generate as run_generate
-    from .grading import grade
+    """Full cache vs the seed methods: KV memory while generating, tokens/s and passkey retrieval."""
+    from .demo import main as run_demo
 
     names = [m.strip() for m in methods_.split(",") if m.strip()]
-    policies = [_policy(m, None if m == "full" else budget, "uniform", None, None, None, {}) for m in names]
-    lm, tokenizer = _load(model, device, dtype)
-    prompts = [INSTRUCTION + question for question, _ in PROBLEMS]
-    config = GenerateConfig(max_new_tokens=max_new_tokens, progress=True)
-    table = Table(title=f"{model}: {len(PROBLEMS)} word problems, budget {budget} tokens per kv head (full: none)")
-    for col in ("method", "correct", "per problem", "mean generated tokens", "peak KV bytes / row",
-                "KV bytes vs full", "tokens/s / row"):
-        table.add_column(col, justify="right")
-    full_bytes = None
-    for policy in policies:
-        console.print(f"running [bold]{policy.name}[/] ...")
-        result = run_generate(lm, tokenizer, prompts, policy, config)
-        marks = [grade("gsm8k", text, str(answer), truncated=stat.finish_reason == "length").correct
-                 for text, stat, (_, answer) in zip(result.texts, result.stats, PROBLEMS)]
-        peak = max(s.peak_kv_bytes for s in result.stats)
-        full_bytes = peak if policy.name == "full" else full_bytes
-        ratio = f"{peak / full_bytes:.2f}x" if full_bytes else "-"
-        table.add_row(policy.name, f"{sum(marks)}/{len(marks)}", " ".join("✓" if m else "✗" for m in marks),
-                      f"{sum(s.generated_tokens for s in result.stats) / len(marks):.0f}", f"{peak:,}", ratio,
-                      f"{sum(s.tokens_per_s for s in result.stats) / len(marks):.1f}")
-    console.print(table)
+    for name in names:
+        _policy(name, None if name == "full" else budget, "uniform", None, None, None, {})  # clear errors first
+    run_demo(model, budget, names, max_new_tokens, passkeys, out, device, dtype, console=console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

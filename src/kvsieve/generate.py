@@ -104,6 +104,8 @@ class GenerationResult:
     settings: dict
     # (decode step, allocated KV bytes of the whole batch) each time the allocation changed
     kv_bytes_trace: list[tuple[int, int]] = field(default_factory=list)
+    # (decode step, live KV tokens per (row, layer, kv head) on average) at every host check
+    live_kv_trace: list[tuple[int, float]] = field(default_factory=list)
 
     def as_rows(self) -> list[dict]:
         return [{"text": t, "token_ids": ids, **asdict(s), "settings": self.settings}
@@ -278,7 +280,7 @@ def generate(
         _decode(session, rows, config, next_token, generator)
     texts = [rows.text(row) for row in range(len(encoded))]
     return GenerationResult(texts=texts, token_ids=rows.tokens, stats=rows.stats, settings=settings,
-                            kv_bytes_trace=session.kv_bytes_trace)
+                            kv_bytes_trace=session.kv_bytes_trace, live_kv_trace=session.live_kv_trace)
 
 
 def _decode(session: DecodeSession, rows: _Rows, config: GenerateConfig, next_token, generator) -> None:
@@ -291,6 +293,7 @@ def _decode(session: DecodeSession, rows: _Rows, config: GenerateConfig, next_to
         out_tokens[:, step] = next_token
         last = step == config.max_new_tokens - 1
         if last or step + 1 - checked >= config.check_every:
+            session.record_live()  # joins the host read below
             finished = rows.take(session.slots, out_tokens[:, checked: step + 1].tolist())
             checked = step + 1
             if finished:

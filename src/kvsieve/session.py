@@ -154,6 +154,7 @@ class DecodeSession:
         self.peak_tokens = torch.zeros(batch_size, self.num_layers, dtype=torch.long, device=self.device)
         self._step_peak: torch.Tensor | None = None  # [B_cache, L] live tokens before in-step evictions
         self.kv_bytes_trace: list[tuple[int, int]] = []  # (decode step, allocated bytes) at each change
+        self.live_kv_trace: list[tuple[int, float]] = []  # (decode step, mean live tokens per row, layer, head)
         self.peak_kv_bytes = [0] * batch_size
         # Every-step policies that may drop tokens in place do so inside the step.
         self.evicts_in_step = (self.scorer is not None and self.scorer.slot_order_free and policy.interval == 1
@@ -351,6 +352,14 @@ class DecodeSession:
         for slot in self.slots:
             if slot is not None:
                 self.peak_kv_bytes[slot] = max(self.peak_kv_bytes[slot], share)
+
+    def record_live(self) -> None:
+        """Note the mean live tokens per (running row, layer, kv head) now: a host read, so the
+        decode loop calls it only where it reads the device anyway (every ``check_every`` steps)."""
+        running = self.running_rows()
+        if running:
+            live = self.cache.live_tokens()[running].float().mean() / self.model.config.num_key_value_heads
+            self.live_kv_trace.append((self.steps, float(live)))
 
     def row_kv_tokens(self, cache_rows: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         """(final, peak) live tokens per layer for ``cache_rows`` (one host read)."""
