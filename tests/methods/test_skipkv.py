@@ -158,8 +158,9 @@ def test_redundant_sentence_goes_first_whole_then_partially():
 
 
 def test_defaults_and_validation():
-    policy = make_policy("skipkv", budget=64)
+    policy = make_policy("skipkv", budget=256)
     assert (policy.interval, policy.recent, policy.sinks, policy.compress_prefill) == (128, 8, 0, False)
+    assert make_policy("skipkv", budget=64).interval == 32  # capped at budget // 2
     assert (policy.scorer.sigma, policy.scorer.tau) == (0.1, 0.95)
     for bad in ({"sigma": 1.5}, {"group_pool": "mean"}, {"redundancy": "x"}, {"window": 0}):
         with pytest.raises(ValueError):
