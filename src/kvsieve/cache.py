@@ -469,12 +469,11 @@ class SieveCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if not self.managed or not layer.is_initialized:  # the first prefill chunk: host work anyway
-            if self.managed:  # the owner advances max_len after the pass
-                layer.lazy_initialization(key_states, value_states)
-                layer.reserve(key_states.shape[2])
-            else:
-                return layer.update(key_states, value_states, self.query_pos)
+        if not self.managed:
+            return layer.update(key_states, value_states, self.query_pos)
+        if not layer.is_initialized:  # the first prefill chunk allocates (host work anyway); the owner advances
+            layer.lazy_initialization(key_states, value_states)
+            layer.reserve(key_states.shape[2])
         return layer.append(key_states, value_states, self.query_pos)
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -249,7 +249,7 @@ class Policy:
 
     def prefill_block_size(self) -> int | None:
         """Tokens per block of block-wise prefill eviction, or None without it."""
-        if self.scorer is None or self.prefill_block is False or self.prefill_block == 0:
+        if self.scorer is None or self.prefill_block is False:  # 0 is refused in __post_init__
             return None
         if self.prefill_block is True:
             return getattr(self.scorer, "prefill_chunk", None) or PREFILL_BLOCK

@@ -201,8 +201,8 @@ class DecodeSession:
                 all_logits: bool = False) -> torch.Tensor:
         """Prompt tokens [B, P] at ``positions`` [B, P] (DEAD_POS on left padding), in chunks of
         ``chunk`` (in the policy's blocks for block-wise prefill eviction, compressing after each,
-        ``Policy.prefill_block``), and compresses after the prompt when the policy compresses it.  Returns the last position's logits [B, V] (every position's,
-        [B, P, V], with ``all_logits``)."""
+        ``Policy.prefill_block``), and compresses after the prompt when the policy compresses it.
+        Returns the last position's logits [B, V] (every position's, [B, P, V], with ``all_logits``)."""
         cache, policy, scorer = self.cache, self.policy, self.scorer
         block = policy.prefill_block_size()  # the block m of block-wise eviction
         chunk = block or chunk
@@ -302,7 +302,7 @@ class DecodeSession:
         self._record_peak()
         for r in finished:
             self.slots[r] = None
-        running = [r for r, slot in enumerate(self.slots) if slot is not None]
+        running = self.running_rows()
         size = len(self.slots)
         if not running:
             return None

@@ -137,6 +137,19 @@ def write(path: str, payload: dict) -> Path:
     return out
 
 
+def report(args, benchmark: str, facts: dict, rows: list[dict], header: str, line, draw) -> None:
+    """The end of a tokens/s benchmark run: the settings line, the table (``header``, then
+    ``line(row)`` for each row), then its JSON at ``args.out`` and the PNG ``draw(ax, rows)``."""
+    print(f"\n{args.model}, {args.new_tokens} new tokens, budget {args.budget}, {facts['device']}, "
+          f"{facts['threads']} threads")
+    print(header)
+    for row in rows:
+        print(line(row))
+    out = write(args.out, {"benchmark": benchmark, "model": args.model, "machine": facts, "settings": vars(args),
+                           "rows": rows})
+    plot(out, lambda ax: draw(ax, rows))
+
+
 def plot(path: Path, draw, panels: int = 1) -> None:
     """Save a PNG beside ``path`` with ``draw(ax)`` (``draw(axes)`` for several side-by-side
     ``panels``); skipped (with a note) without matplotlib."""

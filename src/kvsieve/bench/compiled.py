@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..attention import cache_kwarg_name
-from .common import add_model_args, load_for, machine, plot, prompts, timed_generate, write
+from .common import add_model_args, load_for, machine, prompts, report, timed_generate
 
 
 def hf_generate(model, tok, batch: int, new_tokens: int, static: bool) -> dict:
@@ -125,16 +125,10 @@ def main(argv=None):
     for batch in map(int, args.batches.split(",")):
         print(f"batch {batch}:", flush=True)
         rows += measure(model, tok, batch, args)
-    facts = machine(model)
-    print(f"\n{args.model}, {args.new_tokens} new tokens, budget {args.budget}, {facts['device']}, "
-          f"{facts['threads']} threads")
-    print(f"{'batch':>5} {'entry':34} {'tok/s':>8} {'x hf eager':>10} {'x full eager':>12} {'compile s':>9}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['entry']:34} {r['tokens_per_s']:8.1f} {r['vs_transformers_eager']:10.2f} "
-              f"{r['vs_kvsieve_full_eager']:12.2f} {r['compile_s']:9.1f}")
-    out = write(args.out, {"benchmark": "compiled", "model": args.model, "machine": facts, "settings": vars(args),
-                           "rows": rows})
-    plot(out, lambda ax: draw(ax, rows))
+    header = f"{'batch':>5} {'entry':34} {'tok/s':>8} {'x hf eager':>10} {'x full eager':>12} {'compile s':>9}"
+    report(args, "compiled", machine(model), rows, header,
+           lambda r: (f"{r['batch']:>5} {r['entry']:34} {r['tokens_per_s']:8.1f} {r['vs_transformers_eager']:10.2f} "
+                      f"{r['vs_kvsieve_full_eager']:12.2f} {r['compile_s']:9.1f}"), draw)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, timed_generate, write
+from .common import add_compile_arg, add_model_args, load_for, machine, profiled, report, timed_generate
 
 
 def main(argv=None):
@@ -33,16 +33,11 @@ def main(argv=None):
     timed_generate(model, tok, "full", args.budget, 1, 8)  # warm-up
     with profiled(args.profile):
         rows = [row for batch in map(int, args.batches.split(",")) for row in measure(model, tok, methods, batch, args)]
-    facts = machine(model)
-    print(f"\n{args.model}, {args.new_tokens} new tokens, budget {args.budget}, {facts['device']}, "
-          f"{facts['threads']} threads")
-    print(f"{'batch':>5} {'method':10} {'tok/s':>8} {'x full':>7} {'peak KV bytes':>15} {'x full':>7} {'compressions':>12}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['method']:10} {r['decode_tokens_per_s']:8.1f} {r['speed_vs_full']:7.2f} "
-              f"{r['peak_kv_bytes']:15,} {r['kv_bytes_vs_full']:7.3f} {r['compression_events']:12}")
-    out = write(args.out, {"benchmark": "engine", "model": args.model, "machine": facts, "settings": vars(args),
-                           "rows": rows})
-    plot(out, lambda ax: draw(ax, rows))
+    header = (f"{'batch':>5} {'method':10} {'tok/s':>8} {'x full':>7} {'peak KV bytes':>15} {'x full':>7} "
+              f"{'compressions':>12}")
+    report(args, "engine", machine(model), rows, header,
+           lambda r: (f"{r['batch']:>5} {r['method']:10} {r['decode_tokens_per_s']:8.1f} {r['speed_vs_full']:7.2f} "
+                      f"{r['peak_kv_bytes']:15,} {r['kv_bytes_vs_full']:7.3f} {r['compression_events']:12}"), draw)
 
 
 def draw(ax, rows: list[dict]) -> None:
