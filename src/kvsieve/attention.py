@@ -13,6 +13,7 @@ Attention probabilities are materialised only when the policy observes them this
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from dataclasses import dataclass
@@ -45,6 +46,31 @@ class StepState:
     cache: SieveCache
     query_pos: torch.Tensor  # [B, T] positions of the tokens in flight, DEAD_POS for padding
     observer: Observer | None = None
+
+
+# The step of a cache that schedules itself (``kvsieve.hf.ScheduledCache``, driven by transformers'
+# own ``generate``, which passes no ``kvsieve`` kwarg): set by the cache's ``update`` of a layer
+# and read by the attention call that follows it in the same layer.
+_SCHEDULED_STEP: contextvars.ContextVar[StepState | None] = contextvars.ContextVar("kvsieve_step", default=None)
+
+
+def set_scheduled_step(state: StepState) -> None:
+    """Hand ``state`` to the next attention call (made by a self-scheduling cache's ``update``)."""
+    _SCHEDULED_STEP.set(state)
+
+
+def _step_for(module, key: torch.Tensor) -> StepState:
+    """The step of the self-scheduling cache whose layer ``module`` just updated: its store must
+    be the ``key`` the model passes on, or the attention call belongs to another cache."""
+    state = _SCHEDULED_STEP.get()
+    _SCHEDULED_STEP.set(None)  # one attention call per update; no reference to the cache outlives it
+    if state is None or state.cache.layers[module.layer_idx].keys is not key:
+        raise RuntimeError(
+            "attn_implementation='kvsieve' needs a kvsieve cache: call kvsieve.generate(...), pass "
+            "cache=kvsieve.SieveCache.for_model(model, ...) to model.generate, or switch the model back "
+            "with model.set_attn_implementation('sdpa')."
+        )
+    return state
 
 
 @functools.cache
@@ -146,11 +172,8 @@ def _grouped_sdpa(query, key, value, allowed, scaling):
 
 def sieve_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, kvsieve=None, **kwargs):
     """The registered attention function. Returns ([B, T, H_q, D], None)."""
-    if kvsieve is None:
-        raise RuntimeError(
-            "attn_implementation='kvsieve' needs a SieveCache step: call kvsieve.generate(...), "
-            "or pass kvsieve=StepState(...) to the model's forward."
-        )
+    if kvsieve is None:  # transformers' own generate over a ScheduledCache
+        kvsieve = _step_for(module, key)
     layer = kvsieve.cache.layers[module.layer_idx]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -450,6 +450,23 @@ class SieveCache(Cache):
         return cls.for_scorer(num_layers, policy.scorer, grow_chunk, capacity_hints=hints, static=static,
                               managed=managed)
 
+    @classmethod
+    def for_model(cls, model, method: str = "full", budget: int | None = None, *, policy=None,
+                  horizon: int | None = None, tokenizer=None, **settings) -> "SieveCache":
+        """A cache for transformers' own ``model.generate(..., cache=cache)`` (or
+        ``past_key_values=cache``) that compresses like ``kvsieve.generate`` with ``method`` at
+        ``budget`` (``settings`` as in ``make_policy``; or a ready ``policy``).  It switches ``model``
+        to kvsieve's attention and serves one call; ``horizon`` (prompt + new tokens) is needed
+        only by methods that size themselves to the row (LagKV).  See ``kvsieve.hf``."""
+        from .hf import ScheduledCache
+        from .methods import make_policy
+
+        if policy is None:
+            policy = make_policy(method, budget, **settings)
+        elif settings or budget is not None or method != "full":
+            raise ValueError("pass either policy= or method/budget/settings to SieveCache.for_model, not both")
+        return ScheduledCache.for_generate(model, policy, horizon=horizon, tokenizer=tokenizer)
+
     def prepare(self, T: int) -> bool:
         """Make room for ``T`` more tokens in every layer (host-side); True if any layer grew."""
         grew = False

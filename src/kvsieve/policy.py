@@ -70,6 +70,9 @@ class Scorer:
     default_interval: ClassVar[int] = 1
     interval_doc: ClassVar[str | None] = None  # how the interval depends on settings, for `kvsieve methods`
     default_compress_prefill: ClassVar[bool] = True  # Policy's compress_prefill when the user sets none
+    # True if attach() yields a per-token host callback (SkipKV's sentence tracking): only a
+    # kvsieve decode loop can call it, not transformers' own generate (kvsieve.hf)
+    per_token_hook: ClassVar[bool] = False
     # True if scores are per token and ignore which slot neighbours which (no pooling along the
     # slots, no partitions): the engine may then evict in place (SieveLayer.evict), moving the
     # newest tokens into freed slots, instead of re-gathering the whole cache every step.
@@ -407,10 +410,15 @@ def drop_dead(cache: SieveCache, headroom: int, past_hint: bool = False) -> None
     SkipKV) needs its interval of appends beyond budget + interval when the prompt is longer
     than the budget; capping it at the hint would grow the store by a whole chunk."""
     for layer in cache.layers:
-        keep = layer.live()
-        K = int(keep.sum(dim=-1).max())
-        kept_idx, new_lengths = indices_from_mask(keep, K)
-        capacity = K + headroom
-        if layer.capacity_hint is not None and not past_hint:
-            capacity = max(K, min(capacity, layer.capacity_hint))
-        layer.compact(kept_idx, new_lengths, capacity=capacity, max_len=K)
+        drop_dead_layer(layer, headroom, past_hint)
+
+
+def drop_dead_layer(layer: SieveLayer, headroom: int, past_hint: bool = False) -> None:
+    """``drop_dead`` for one layer (one host read of its longest row)."""
+    keep = layer.live()
+    K = int(keep.sum(dim=-1).max())
+    kept_idx, new_lengths = indices_from_mask(keep, K)
+    capacity = K + headroom
+    if layer.capacity_hint is not None and not past_hint:
+        capacity = max(K, min(capacity, layer.capacity_hint))
+    layer.compact(kept_idx, new_lengths, capacity=capacity, max_len=K)

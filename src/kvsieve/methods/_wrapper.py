@@ -53,6 +53,7 @@ class WrappingScorer(Scorer):
         self.meta_init, self.kv_fields, self.observes = inner.meta_init, inner.kv_fields, inner.observes
         self.kv_sums = inner.kv_sums
         self.observes_last_only = inner.observes_last_only
+        self.per_token_hook = inner.per_token_hook
 
     def attach(self, model, tokenizer):
         """The base's per-call hook (SkipKV's sentence table and hidden-state read): a wrapper

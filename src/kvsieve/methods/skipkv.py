@@ -150,6 +150,7 @@ class SkipKV(Scorer):
     meta_init = {"sent": -1.0}
     default_interval = 128
     default_compress_prefill = False
+    per_token_hook = True  # attach() yields on_tokens: the sentence table reads every new token
     recent_doc = "window"
     sigma: float = 0.1
     tau: float = 0.95

@@ -1,0 +1,179 @@
+"""transformers' own ``generate`` over a kvsieve cache.
+
+::
+
+    cache = kvsieve.SieveCache.for_model(model, method="lazy", budget=256)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=512)   # or past_key_values=cache
+
+``SieveCache.for_model`` switches the model to kvsieve's attention function
+(``model.set_attn_implementation("kvsieve")``; ``model.set_attn_implementation("sdpa")`` switches
+back) and returns a ``ScheduledCache``: a ``SieveCache`` that runs its policy's schedule itself,
+because transformers' loop tells a cache nothing but ``update(key, value, layer_idx)``.  One cache
+serves one ``generate`` call.
+
+How kvsieve's decode loop (``kvsieve.session``) maps onto those calls:
+
+* Every forward pass calls ``update`` for layers 0, 1, ..., L-1 in order, so ``update(layer 0)``
+  opens a pass: it counts the tokens of the pass before (``seen_tokens``, decode steps) and takes
+  the positions of the new tokens.
+* ``kvsieve.generate`` compresses after a pass (the prompt's clean-up and compression after the
+  prefill, then every ``interval`` decode steps).  Here layer l is compressed at the start of its
+  ``update`` in the next pass instead: nothing reads a layer between the two, so the tokens kept
+  and the logits are the same, and after the last pass no compression is needed.
+* Positions stay logical after eviction: the model takes them from ``position_ids``, which
+  ``generate`` builds from the attention mask (``mask.cumsum(-1) - 1``, padding at 0) and extends by
+  one per step, whatever the cache holds.  ``get_seq_length`` counts the (padded) tokens passed in,
+  as ``DynamicCache`` does; masks are built by the attention function from each slot's position,
+  so ``get_mask_sizes`` is never asked (kvsieve's attention has no transformers mask function).
+* Left padding is read from those positions, once, on the host: a padding token has position 0
+  and another position-0 token after it in its row.
+
+Beam search, assisted decoding and contrastive search reorder, crop or copy cache rows, which a
+bounded cache with per-row eviction state cannot do; they raise and name the alternative.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .attention import ATTN_IMPLEMENTATION, StepState, check_supported, set_scheduled_step
+from .cache import DEAD_POS, SieveCache
+from .policy import Policy, compress_layer, drop_dead_layer
+
+_NO_REORDER = ("kvsieve caches keep per-row eviction state and cannot reorder, crop or copy rows, which beam "
+               "search, assisted decoding and contrastive search need: use num_beams=1 without an assistant "
+               "model (greedy or sampling), or kvsieve.generate")
+
+
+def prompt_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions of a prompt as ``generate`` builds them (left padding at 0) -> the same with
+    DEAD_POS on padding.  Checks the layout once on the host: each row is some padding, then its
+    tokens at 0, 1, ..., n-1."""
+    B, T = position_ids.shape
+    zero = position_ids == 0
+    zeros_after = zero.flip(-1).long().cumsum(-1).flip(-1) - zero.long()  # position-0 tokens to the right
+    padding = zero & (zeros_after > 0)
+    n = (~padding).sum(dim=-1, keepdim=True)  # [B, 1] real tokens per row
+    expected = torch.arange(T, device=position_ids.device) - (T - n)  # [B, T]: position of each real slot
+    if not bool(torch.where(expected >= 0, position_ids == expected, padding).all()):
+        raise ValueError("kvsieve's cache needs each prompt row as left padding then positions 0, 1, ..., n-1: "
+                         "tokenize with padding_side='left' and let generate build position_ids from the "
+                         "attention mask")
+    return position_ids.masked_fill(padding, DEAD_POS)
+
+
+class ScheduledCache(SieveCache):
+    """A ``SieveCache`` that compresses on its policy's schedule by itself (see the module
+    docstring).  Build it with ``SieveCache.for_model``."""
+
+    policy: Policy
+    budgets: list[int | None]  # per layer (None: never compressed)
+    block: int | None  # block-wise prefill eviction's block: the prompt must fit in one
+    passes: int = 0  # forward passes opened
+    steps: int = 0  # decode steps finished (the session's ``steps``)
+    tokens_in: int = 0  # tokens passed in per row, padding included: what get_seq_length answers
+    pending: str | None = None  # what each layer owes since the last pass: "prefill", "compress" or None
+    step_state: StepState | None = None  # this pass's positions and observer, for the attention calls
+
+    @classmethod
+    def for_generate(cls, model, policy: Policy, horizon: int | None = None, tokenizer=None) -> "ScheduledCache":
+        check_supported(model)
+        if horizon is None:
+            if policy.scorer is not None and not policy.scorer.uses_budget and policy.budget is not None:
+                raise ValueError(f"{policy.name} fits its own settings to the row length at a budget: pass "
+                                 "horizon=<prompt tokens + max_new_tokens> to SieveCache.for_model")
+            horizon = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+        if policy.scorer is not None and policy.scorer.per_token_hook:
+            raise NotImplementedError(
+                f"{policy.name} runs a host hook before every forward pass (SkipKV's sentence tracking), which "
+                "transformers' generate cannot call: use kvsieve.generate for this method")
+        policy = policy.for_horizon(horizon)
+        num_layers = model.config.num_hidden_layers
+        cache = cls.for_policy(policy, num_layers, horizon, managed=False)
+        cache.policy = policy
+        cache.budgets = policy.layer_budgets(num_layers)
+        cache.block = policy.prefill_block_size()
+        cache._hooks = contextlib.ExitStack()  # the scorer's per-call set-up (e.g. RoPE frequencies), for the cache's life
+        if policy.scorer is not None:
+            cache._hooks.enter_context(policy.scorer.attach(model, tokenizer))
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return cache
+
+    # ------------------------------------------------------------------ the schedule
+    def _open_pass(self, key_states: torch.Tensor, forward_kwargs: dict) -> None:
+        """At layer 0: count the last pass, decide what each layer owes, position the new tokens."""
+        B, _, T, _ = key_states.shape
+        scorer = self.policy.scorer
+        if self.passes == 0:  # the prompt
+            position_ids = forward_kwargs.get("position_ids")
+            if position_ids is None:
+                raise RuntimeError("ScheduledCache.update got no position_ids from the model: this model "
+                                   "family does not pass them to its attention layers; use kvsieve.generate")
+            query_pos = prompt_positions(position_ids.expand(B, T))
+            if self.block is not None and T > self.block:
+                raise ValueError(
+                    f"{self.policy.name} evicts block-wise while prefilling (blocks of {self.block}), which needs "
+                    f"the prompt in blocks, but transformers' generate passes its {T} tokens at once: use "
+                    "kvsieve.generate, or prefill_block=False to compress the prompt once it is whole")
+            self.seen_tokens = torch.zeros(B, dtype=torch.long, device=key_states.device)
+            self._prompt_tokens = (query_pos != DEAD_POS).sum(dim=-1)
+            self.pending = None
+        else:
+            if T != 1:
+                raise ValueError("a ScheduledCache serves one generate call (one prompt, then one token per "
+                                 "step): build a new one with SieveCache.for_model for every call")
+            if self.passes == 1:  # the prefill is done: drop padding, compress the prompt
+                self.seen_tokens = self._prompt_tokens
+                self.pending = "prefill"
+            else:
+                self.seen_tokens = self.seen_tokens + 1
+                self.steps += 1
+                due = scorer is not None and self.steps % self.policy.interval == 0
+                self.pending = "compress" if due else None
+            query_pos = self.seen_tokens[:, None]
+        observe = self.passes == 0 or self.policy.observes_step(self.steps)
+        self.query_pos = query_pos
+        self.step_state = StepState(cache=self, query_pos=query_pos,
+                                    observer=self.policy.observer() if observe else None)
+        self.passes += 1
+        self.tokens_in += T
+
+    def _catch_up(self, layer_idx: int) -> None:
+        """Layer ``layer_idx``'s compression owed since the last pass (``DecodeSession.prefill``'s
+        end, or its ``maybe_compress``), done now, before the layer is read again."""
+        layer, budget, policy = self.layers[layer_idx], self.budgets[layer_idx], self.policy
+        if self.pending == "prefill":
+            if self.block is not None:  # block-wise: the one block is compressed before padding goes
+                compress_layer(layer, policy, budget, self.seen_tokens)
+            headroom = policy.interval if policy.scorer is not None else layer.grow_chunk
+            drop_dead_layer(layer, headroom, past_hint=policy.scorer is not None and not policy.compress_prefill)
+            if policy.scorer is not None and policy.compress_prefill:
+                compress_layer(layer, policy, budget, self.seen_tokens)
+        elif self.pending == "compress":
+            compress_layer(layer, policy, budget, self.seen_tokens)
+
+    # ------------------------------------------------------------------ transformers' Cache API
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self._open_pass(key_states, kwargs.get("kwargs") or kwargs)
+        self._catch_up(layer_idx)
+        out = self.layers[layer_idx].update(key_states, value_states, self.query_pos)
+        set_scheduled_step(self.step_state)
+        return out
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.tokens_in
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError(_NO_REORDER)
+
+    def crop(self, max_length):
+        raise NotImplementedError(_NO_REORDER)
+
+    def batch_repeat_interleave(self, repeats):
+        raise NotImplementedError(_NO_REORDER)
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError(_NO_REORDER)
