@@ -150,6 +150,9 @@ class SkipKV(Scorer):
     meta_init = {"sent": -1.0}
     default_interval = 128
     default_compress_prefill = False
+    # prompt competes for B: Sec. 4.3 Eq. 12 (padding of the prompt lowers the valid budget, B' = B - pad) and
+    # the official code (skipkv/compression/skipkv.py update_kv cuts the whole cache, prompt included, to B)
+    default_protect_prompt = False
     recent_doc = "window"
     sigma: float = 0.1
     tau: float = 0.95
