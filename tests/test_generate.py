@@ -81,7 +81,7 @@ def test_tova_layer_average_refuses_a_ragged_allocator():
     ("tova", "uniform", {}),
     ("h2o", "uniform", {}),
     ("snapkv", "uniform", {"window": 8}),
-    ("rkv", "uniform", {"interval": 8, "window": 4}),
+    ("rkv", "uniform", {"interval": 8, "window": 4, "protect_prompt": False}),  # the total bound
     ("knorm", "pyramid", {"recent": 4}),
     ("keydiff", "adakv", {"recent": 4}),
     ("streaming", "uniform", {}),

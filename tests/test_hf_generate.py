@@ -9,7 +9,7 @@ from kvsieve import GenerateConfig, SieveCache, generate, make_policy
 from kvsieve.hf import prompt_positions
 
 PROMPTS = ["The capital of France is", "Count: one, two, three, four, five, six, seven, eight"]
-NEW = 40
+NEW = 28
 
 
 @pytest.fixture
@@ -31,8 +31,9 @@ def hf_tokens(model, tok, cache, **kwargs):
 
 
 # Every-step in-place eviction (tova), an interval policy that leaves the prompt for decode (lazy), a
-# wrapper whose scorer rides the attention pass (caote:tova), one-shot SnapKV; the rest under slow.
-CASES = [("full", None, {}), ("tova", 24, {}), ("lazy", 32, {"window": 8}), ("caote:tova", 24, {})]
+# wrapper whose scorer rides the attention pass (caote:tova), a protected prompt; the rest under slow.
+CASES = [("full", None, {}), ("tova", 24, {}), ("tova", 16, {"protect_prompt": True}), ("lazy", 32, {"window": 8}),
+         ("caote:tova", 24, {})]
 SLOW_CASES = [("snapkv", 24, {"recent": 8}), ("h2o", 24, {}), ("streaming", 24, {}), ("expected", 24, {}),
               ("rkv", 24, {"recent": 8}), ("knorm", 24, {}), ("ams:tova", 40, {}), ("lagkv", 24, {})]
 
@@ -49,7 +50,9 @@ def test_transformers_generate_matches_kvsieve_generate(model_tok, method, budge
     if budget is not None:
         assert sum(s.compression_events for s in ref.stats) > 0  # the comparison covers compressions
         per_head = torch.stack([layer.lengths for layer in cache.layers])  # [L, B, H]
-        assert int(per_head.max()) <= budget + make_policy(method, budget, **settings).interval
+        policy = make_policy(method, budget, **settings)
+        bound = budget + policy.interval + (cache.prompt_max if policy.protect_prompt else 0)
+        assert int(per_head.max()) <= bound
 
 
 def test_streamer_and_sampling(model_tok):

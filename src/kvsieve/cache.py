@@ -427,6 +427,11 @@ class SieveCache(Cache):
         for index, layer in enumerate(self.layers):
             layer.layer_idx = index  # the decoder layer this store belongs to
         self.seen_tokens: torch.Tensor | None = None  # [B]
+        # [B] prompt tokens of each row, set at the end of prefill (``set_prompt``) for a policy that
+        # protects the prompt (``Policy.protect_prompt``); ``prompt_max`` is a host-side upper bound
+        # on it (the longest prompt when set; rows leaving the batch never lower it)
+        self.prompt_len: torch.Tensor | None = None
+        self.prompt_max = 0
         self.query_pos: torch.Tensor | None = None  # [B, T] positions of the tokens in flight
         self.managed = managed
 
@@ -446,7 +451,8 @@ class SieveCache(Cache):
         tokens can need, budget + interval for a bounded layer, the whole row otherwise."""
         budgets = policy.layer_budgets(num_layers)
         interval = policy.interval if policy.scorer is not None else 0
-        hints = [horizon if b is None else min(horizon, b + interval) for b in budgets]
+        # a protected prompt is not known yet: its hint is set with it (DecodeSession.prefill)
+        hints = [horizon if b is None or policy.protect_prompt else min(horizon, b + interval) for b in budgets]
         return cls.for_scorer(num_layers, policy.scorer, grow_chunk, capacity_hints=hints, static=static,
                               managed=managed)
 
@@ -497,6 +503,13 @@ class SieveCache(Cache):
         for layer in self.layers:
             layer.select_rows(rows)
         self.seen_tokens = self.seen_tokens[rows]
+        if self.prompt_len is not None:
+            self.prompt_len = self.prompt_len[rows]
+
+    def set_prompt(self, prompt_len: torch.Tensor) -> None:
+        """Record each row's prompt length [B] (one host read, for ``prompt_max``)."""
+        self.prompt_len = prompt_len.clone()
+        self.prompt_max = int(prompt_len.max()) if prompt_len.numel() else 0
 
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)

@@ -49,10 +49,13 @@ def _pairs(pairs, flag):
     return parse(pairs, flag)
 
 
-def _policy(method, budget, allocator, sinks, recent, interval, settings):
+def _policy(method, budget, allocator, sinks, recent, interval, settings, protect_prompt=None):
     from .methods import make_policy
 
-    extra = {k: v for k, v in dict(sinks=sinks, recent=recent, interval=interval).items() if v is not None}
+    extra = {k: v for k, v in dict(sinks=sinks, recent=recent, interval=interval,
+                                   protect_prompt=protect_prompt).items() if v is not None}
+    if method == "full":
+        extra.pop("protect_prompt", None)  # nothing is evicted: there is no prompt to protect
     try:
         return make_policy(method, budget=budget, allocator=allocator, **extra, **settings)
     except ValueError as err:
@@ -105,6 +108,10 @@ def generate(
     recent: Optional[int] = typer.Option(None, help="Protected recent tokens (default: the method's)."),
     interval: Optional[int] = typer.Option(None, help="Compress every N decode steps (default: the method's)."),
     set_: List[str] = typer.Option([], "--set", help="Method hyperparameter key=value (repeatable)."),
+    protect_prompt: Optional[bool] = typer.Option(
+        None, "--protect-prompt/--no-protect-prompt",
+        help="Keep every prompt token and bound only the generated ones by --budget (default: the "
+             "method's paper; `kvsieve methods` lists it). Same as --set protect_prompt=true/false."),
     max_new_tokens: int = typer.Option(256, help="Stop after this many new tokens."),
     batch_size: int = typer.Option(8, help="Prompts decoded together."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
@@ -133,7 +140,7 @@ def generate(
     from .generate import GenerateConfig, generate as run_generate
     from .memory import KVMemoryError
 
-    policy = _policy(method, budget, allocator, sinks, recent, interval, _pairs(set_, "--set"))
+    policy = _policy(method, budget, allocator, sinks, recent, interval, _pairs(set_, "--set"), protect_prompt)
     steering = _steering(steering_file, _pairs(steering_set, "--steering-set"))
     if prefill_chunk is None:  # block-wise prefill methods (CAOTE: 128) carry their paper's block size
         prefill_chunk = getattr(policy.scorer, "prefill_chunk", None) or 512

@@ -40,7 +40,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, check_supported, set_scheduled_step
 from .cache import DEAD_POS, SieveCache
-from .policy import Policy, compress_layer, drop_dead_layer
+from .policy import Policy, compress_layer, drop_dead_layer, set_prompt_bounds
 
 _NO_REORDER = ("kvsieve caches keep per-row eviction state and cannot reorder, crop or copy rows, which beam "
                "search, assisted decoding and contrastive search need: use num_beams=1 without an assistant "
@@ -70,6 +70,7 @@ class ScheduledCache(SieveCache):
 
     policy: Policy
     budgets: list[int | None]  # per layer (None: never compressed)
+    horizon: int  # most tokens a row holds (capacity hints)
     block: int | None  # block-wise prefill eviction's block: the prompt must fit in one
     passes: int = 0  # forward passes opened
     steps: int = 0  # decode steps finished (the session's ``steps``)
@@ -92,6 +93,7 @@ class ScheduledCache(SieveCache):
         policy = policy.for_horizon(horizon)
         num_layers = model.config.num_hidden_layers
         cache = cls.for_policy(policy, num_layers, horizon, managed=False)
+        cache.horizon = horizon
         cache.policy = policy
         cache.budgets = policy.layer_budgets(num_layers)
         cache.block = policy.prefill_block_size()
@@ -126,6 +128,8 @@ class ScheduledCache(SieveCache):
                                  "step): build a new one with SieveCache.for_model for every call")
             if self.passes == 1:  # the prefill is done: drop padding, compress the prompt
                 self.seen_tokens = self._prompt_tokens
+                if scorer is not None and self.policy.protect_prompt:
+                    set_prompt_bounds(self, self.policy, self.budgets, self.horizon, self.seen_tokens)
                 self.pending = "prefill"
             else:
                 self.seen_tokens = self.seen_tokens + 1
@@ -144,15 +148,22 @@ class ScheduledCache(SieveCache):
         """Layer ``layer_idx``'s compression owed since the last pass (``DecodeSession.prefill``'s
         end, or its ``maybe_compress``), done now, before the layer is read again."""
         layer, budget, policy = self.layers[layer_idx], self.budgets[layer_idx], self.policy
+        if self.pending is None:
+            return
+        protected = self.prompt_len if policy.protect_prompt else None  # set with the prompt (set_prompt_bounds)
+
+        def compress_now():
+            compress_layer(layer, policy, budget, self.seen_tokens, protected, self.prompt_max)
+
         if self.pending == "prefill":
-            if self.block is not None:  # block-wise: the one block is compressed before padding goes
-                compress_layer(layer, policy, budget, self.seen_tokens)
+            if self.block is not None and protected is None:  # block-wise: the one block, before padding goes
+                compress_now()
             headroom = policy.interval if policy.scorer is not None else layer.grow_chunk
             drop_dead_layer(layer, headroom, past_hint=policy.scorer is not None and not policy.compress_prefill)
             if policy.scorer is not None and policy.compress_prefill:
-                compress_layer(layer, policy, budget, self.seen_tokens)
-        elif self.pending == "compress":
-            compress_layer(layer, policy, budget, self.seen_tokens)
+                compress_now()
+        else:
+            compress_now()
 
     # ------------------------------------------------------------------ transformers' Cache API
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -9,7 +9,7 @@ Per (row, kv head, layer) a cache never holds more slots than:
 * no eviction (or a method without a budget): longest prompt + ``max_new_tokens``;
 * a budget ``b`` with compression every ``interval`` steps: the whole prompt right after
   prefill, and ``b + interval`` while decoding (``H_kv * b + interval`` for allocators whose
-  heads share slots).
+  heads share slots), plus the prompt when the policy protects it (``protect_prompt``).
 
 A slot costs K and V (``2 * head_dim`` elements), its int64 position and 4 bytes per float
 metadata field of the policy. Transient copies during a compaction are not counted.
@@ -46,6 +46,8 @@ def slots_per_head(model, policy: Policy, prompt_len: int, max_new_tokens: int) 
             continue
         per_head = model.config.num_key_value_heads * budget if policy.allocator.ragged_heads else budget
         decode_peak = per_head + policy.interval
+        if policy.protect_prompt:  # the prompt stays, outside the budget
+            decode_peak += prompt_len
         out.append(min(prompt_len + max_new_tokens, max(prompt_len + policy.interval, decode_peak)))
     return out
 

@@ -9,8 +9,8 @@
 * The **schedule** (fields of ``Policy``) says when to compress: at the end of prefill and
   every ``interval`` decode steps while a layer holds more than its budget.
 
-``compress_layer`` does the rest once for every method: protect sinks and the recent window,
-never keep dead slots, ask the allocator, and compact with one gather.
+``compress_layer`` does the rest once for every method: protect sinks and the recent window
+(and, with ``protect_prompt``, each row's prompt, outside the budget), never keep dead slots, ask the allocator, and compact with one gather.
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class Scorer:
     # True if attach() yields a per-token host callback (SkipKV's sentence tracking): only a
     # kvsieve decode loop can call it, not transformers' own generate (kvsieve.hf)
     per_token_hook: ClassVar[bool] = False
+    # Policy's protect_prompt when the user sets none: True if the method's paper (or, where it is
+    # silent, its official code) keeps every prompt token and bounds only the generated ones;
+    # each method file cites where its value comes from
+    default_protect_prompt: ClassVar[bool] = False
     # True if scores are per token and ignore which slot neighbours which (no pooling along the
     # slots, no partitions): the engine may then evict in place (SieveLayer.evict), moving the
     # newest tokens into freed slots, instead of re-gathering the whole cache every step.
@@ -126,7 +130,9 @@ class Scorer:
     def select(self, layer: SieveLayer, scores: torch.Tensor, budget: int | None, seen_tokens: torch.Tensor):
         """Optional own selection: return ``(keep_mask [B, H_kv, capacity], K or None)`` to
         bypass the allocator (methods whose kept count is not a budget, e.g. LagKV's
-        partitions), or ``None`` to let the allocator choose."""
+        partitions), or ``None`` to let the allocator choose.  With ``protect_prompt``
+        ``budget`` is a [B, 1] tensor, each row's prompt length + budget (``row_budget``), and
+        the prompt tokens score +inf like the other protected tokens."""
         return None
 
     def score(self, layer: SieveLayer, seen_tokens: torch.Tensor) -> torch.Tensor:
@@ -198,6 +204,14 @@ class Policy:
     compress_prefill : bool | None
         Compress the prompt right after prefill when it exceeds the budget; ``None`` takes
         the scorer's default (``default_compress_prefill``).
+    protect_prompt : bool | None
+        True: the prompt tokens of each row (positions below its prompt length) are never evicted
+        and do not count against the budget, which then bounds the generated tokens only: a layer
+        keeps ``prompt_len[row] + budget`` tokens per head, per row (rows of a left-padded batch
+        have their own prompt lengths, so their own bounds).  False: prompt and generated tokens
+        compete for one budget.  ``None`` takes the scorer's default (``default_protect_prompt``:
+        its paper's reading, cited in each method file).  Needs a budgeted method: LagKV's
+        partitions set their own size and refuse it.
     prefill_block : bool | int
         Read the prompt in blocks and compress after each one (block-wise prefill eviction,
         CAOTE Sec. 2 Eqs. 3-7), whatever ``GenerateConfig.prefill_chunk`` says.  ``True``: blocks
@@ -214,10 +228,15 @@ class Policy:
     interval: int | None = None
     compress_prefill: bool | None = None
     prefill_block: bool | int = False
+    protect_prompt: bool | None = None
 
     def __post_init__(self):
         if self.compress_prefill is None:
             self.compress_prefill = self.scorer.default_compress_prefill if self.scorer is not None else True
+        if self.protect_prompt is None:
+            self.protect_prompt = self.scorer.default_protect_prompt if self.scorer is not None else False
+        if not isinstance(self.protect_prompt, bool):
+            raise ValueError(f"protect_prompt must be true or false, got {self.protect_prompt!r}")
         if self.allocator is None:
             self.allocator = Uniform()
         if self.scorer is None:
@@ -238,6 +257,10 @@ class Policy:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
         if self.prefill_block is not True and self.prefill_block is not False and int(self.prefill_block) < 1:
             raise ValueError(f"prefill_block must be True, False or a block size >= 1, got {self.prefill_block}")
+        if self.protect_prompt and not self.scorer.uses_budget:
+            raise ValueError(
+                f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
+                "cannot be set apart from the budget; drop protect_prompt (set it false)")
         if self.scorer.needs_aligned_heads() and self.allocator.ragged_heads:
             raise ValueError(
                 f"{self.scorer.name} with these settings averages scores across kv heads slot by slot, "
@@ -269,7 +292,7 @@ class Policy:
             return out
         out.update(budget=self.budget, sinks=self.sinks, recent=self.recent, interval=self.interval,
                    compress_prefill=self.compress_prefill, prefill_block=self.prefill_block,
-                   allocator=self.allocator.name)
+                   protect_prompt=self.protect_prompt, allocator=self.allocator.name)
         out.update({f.name: getattr(self.scorer, f.name) for f in dataclasses.fields(self.scorer) if f.init})
         out.update({f"allocator_{f.name}": getattr(self.allocator, f.name) for f in dataclasses.fields(self.allocator)})
         return out
@@ -287,10 +310,19 @@ class Policy:
         budgets = self.allocator.layer_budgets(self.budget, num_layers, self.sinks + self.recent)
         return [b if self.scorer.compresses_layer(i) else None for i, b in enumerate(budgets)]
 
+    def layer_bound(self, cache: SieveCache, budget: int | None) -> int | None:
+        """Host-side upper bound on the tokens a layer of budget ``budget`` keeps per (row, head):
+        the budget, or with ``protect_prompt`` the budget plus the longest prompt of the batch
+        (``cache.prompt_max``), so every row's generated tokens pass ``budget`` at the same step."""
+        if budget is None or not self.protect_prompt:
+            return budget
+        return budget + cache.prompt_max
+
     def needs_compression(self, cache: SieveCache, budgets: list[int | None]) -> bool:
         """Host-side: does any layer want to compress now?"""
-        return self.scorer is not None and any(
-            self.scorer.should_compress(layer, b) for layer, b in zip(cache.layers, budgets))
+        if self.scorer is None or (self.protect_prompt and cache.prompt_len is None):
+            return False
+        return any(self.scorer.should_compress(layer, self.layer_bound(cache, b)) for layer, b in zip(cache.layers, budgets))
 
     def observes_step(self, step: int) -> bool:
         """Whether decode step ``step`` (0-based) must hand its attention rows to the scorer
@@ -334,47 +366,77 @@ def protected_mask(pos: torch.Tensor, seen_tokens: torch.Tensor, sinks: int, rec
     return is_recent | (pos < sinks) if sinks > 0 else is_recent
 
 
-def protected_scores(layer: SieveLayer, policy: Policy, seen_tokens: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, capacity] float scores of one layer with the schedule applied: sinks and the
-    recent window at +inf, dead slots at -inf (a copy: never the scorer's own state)."""
+def prompt_mask(pos: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
+    """[B, H, S] bool: live slots holding one of their row's prompt tokens (position below the
+    row's prompt length ``prompt_len`` [B]; dead slots never are, DEAD_POS being above any)."""
+    return pos < prompt_len[:, None, None]
+
+
+def row_budget(budget: int, prompt_len: torch.Tensor | None):
+    """The tokens each (row, head) may keep: ``budget``, or with a protected prompt ``prompt_len``
+    [B] + ``budget`` as a [B, 1] tensor (broadcasting against [B, H_kv] lengths)."""
+    return budget if prompt_len is None else (prompt_len + budget)[:, None]
+
+
+def protected_scores(layer: SieveLayer, policy: Policy, seen_tokens: torch.Tensor,
+                     prompt_len: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H_kv, capacity] float scores of one layer with the schedule applied: sinks, the
+    recent window and (``prompt_len`` [B] given, ``protect_prompt``) every prompt token at +inf,
+    dead slots at -inf (a copy: never the scorer's own state)."""
     pos = layer.meta["pos"]
     scores = policy.scorer.score(layer, seen_tokens).float()  # [B, H, cap]
-    if policy.sinks or policy.recent:
-        scores = scores.masked_fill(protected_mask(pos, seen_tokens, policy.sinks, policy.recent), float("inf"))
+    keep = protected_mask(pos, seen_tokens, policy.sinks, policy.recent) if policy.sinks or policy.recent else None
+    if prompt_len is not None:
+        keep = prompt_mask(pos, prompt_len) if keep is None else keep | prompt_mask(pos, prompt_len)
+    if keep is not None:
+        scores = scores.masked_fill(keep, float("inf"))
     else:
         scores = scores.clone()  # never write into a scorer's own state (H2O returns its sums)
     return scores.masked_fill_(pos == DEAD_POS, float("-inf"))
 
 
 def evict_in_place(layer: SieveLayer, policy: Policy, budget: int, seen_tokens: torch.Tensor, excess: int,
-                   scores: torch.Tensor | None = None) -> None:
+                   scores: torch.Tensor | None = None, prompt_len: torch.Tensor | None = None) -> None:
     """Drop the ``excess`` lowest-scored tokens of every head over ``budget`` (in place, see
     ``SieveLayer.evict``): device work only, so a compiled decode step can contain it; the
     caller sets ``layer.max_len``.  ``scores``: ``protected_scores`` when already computed (a
-    scorer is asked once per compression: ``random`` draws new scores on every call)."""
+    scorer is asked once per compression: ``random`` draws new scores on every call).
+    ``prompt_len`` [B] (``protect_prompt``): each row keeps its prompt and ``budget`` more."""
     if scores is None:
-        scores = protected_scores(layer, policy, seen_tokens)
+        scores = protected_scores(layer, policy, seen_tokens, prompt_len)
     lowest = scores.masked_fill_(layer.meta["pos"] == DEAD_POS, float("inf")).topk(excess, dim=-1, largest=False).indices
-    layer.evict(lowest, (layer.lengths - budget).clamp(min=0, max=excess))
+    layer.evict(lowest, (layer.lengths - row_budget(budget, prompt_len)).clamp(min=0, max=excess))
 
 
-def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_tokens: torch.Tensor) -> None:
-    """Evict down to ``budget`` tokens per (row, kv head) in one layer (no-op if it fits)."""
+def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_tokens: torch.Tensor,
+                   prompt_len: torch.Tensor | None = None, prompt_max: int = 0) -> None:
+    """Evict down to ``budget`` tokens per (row, kv head) in one layer (no-op if it fits).
+
+    With ``prompt_len`` [B] (``Policy.protect_prompt``) row r keeps its whole prompt and at most
+    ``budget`` other tokens, ``prompt_len[r] + budget`` in all; ``prompt_max`` is a host-side
+    upper bound on ``prompt_len`` (``SieveCache.prompt_max``), so no step reads the device for it."""
     scorer = policy.scorer
-    if not scorer.should_compress(layer, budget):
+    bound = budget if budget is None or prompt_len is None else budget + prompt_max
+    if not scorer.should_compress(layer, bound):
         return
     dead = layer.meta["pos"] == DEAD_POS
-    scores = protected_scores(layer, policy, seen_tokens)
-    chosen = scorer.select(layer, scores, budget, seen_tokens)
-    if chosen is None and can_evict_in_place(layer, policy, budget):
-        evict_in_place(layer, policy, budget, seen_tokens, excess=layer.max_len - budget, scores=scores)
-        layer.max_len = budget
+    scores = protected_scores(layer, policy, seen_tokens, prompt_len)
+    chosen = scorer.select(layer, scores, budget if budget is None else row_budget(budget, prompt_len), seen_tokens)
+    if chosen is None and can_evict_in_place(layer, policy, bound):
+        evict_in_place(layer, policy, budget, seen_tokens, excess=layer.max_len - bound, scores=scores,
+                       prompt_len=prompt_len)
+        layer.max_len = bound
         return
-    if chosen is None and not policy.allocator.ragged_heads:
+    if chosen is None and not policy.allocator.ragged_heads and prompt_len is None:
         kept_idx, new_lengths = top_k_indices(scores, min(layer.max_len, budget))
     else:
-        if chosen is None:
+        if chosen is None and prompt_len is None:
             chosen = policy.allocator.select(scores, budget, min(layer.max_len, budget))
+        elif chosen is None:  # the allocator splits the budget over the generated tokens; the prompt stays
+            prompt = prompt_mask(layer.meta["pos"], prompt_len)
+            keep, K = policy.allocator.select(scores.masked_fill(prompt, float("-inf")), budget,
+                                              min(layer.max_len, budget))
+            chosen = keep | prompt, None if K is None else min(layer.max_len, bound)
         keep, K = chosen
         keep = keep & ~dead
         if K is None:  # ragged per-head counts: one host read per compression
@@ -386,19 +448,36 @@ def compress_layer(layer: SieveLayer, policy: Policy, budget: int | None, seen_t
 def can_evict_in_place(layer: SieveLayer, policy: Policy, budget: int) -> bool:
     """In place when the scorer allows any slot order, the allocator keeps the same count in
     every head, and the layer is already at its steady capacity (budget + interval), so that
-    nothing would be returned by reallocating (right after prefill it would)."""
+    nothing would be returned by reallocating (right after prefill it would).  ``budget``: the
+    layer's bound (with a protected prompt, budget + ``SieveCache.prompt_max``)."""
     return (policy.scorer.slot_order_free and not policy.allocator.ragged_heads
             and layer.capacity <= budget + policy.interval and layer.max_len - budget <= policy.interval)
 
 
+def set_prompt_bounds(cache: SieveCache, policy: Policy, budgets: list[int | None], horizon: int,
+                      prompt_len: torch.Tensor) -> None:
+    """At the end of prefill, with ``protect_prompt``: record each row's prompt length [B] and give
+    every bounded layer the capacity its longest row needs (prompt + budget + interval)."""
+    cache.set_prompt(prompt_len)
+    for layer, budget in zip(cache.layers, budgets):
+        if budget is not None:
+            layer.capacity_hint = min(horizon, policy.layer_bound(cache, budget) + policy.interval)
+
+
 def compress(cache: SieveCache, policy: Policy, budgets: list[int]) -> bool:
-    """Compress every layer that holds more than its budget. Returns True if any did."""
+    """Compress every layer that holds more than its budget. Returns True if any did.
+
+    With ``protect_prompt`` nothing is compressed before the prompt lengths are known
+    (``SieveCache.set_prompt``, at the end of prefill): until then every token is a prompt token."""
     if policy.scorer is None:
+        return False
+    prompt_len = cache.prompt_len if policy.protect_prompt else None
+    if policy.protect_prompt and prompt_len is None:
         return False
     did = False
     for layer, budget in zip(cache.layers, budgets):
-        if policy.scorer.should_compress(layer, budget):
-            compress_layer(layer, policy, budget, cache.seen_tokens)
+        if policy.scorer.should_compress(layer, policy.layer_bound(cache, budget)):
+            compress_layer(layer, policy, budget, cache.seen_tokens, prompt_len, cache.prompt_max)
             did = True
     return did
 

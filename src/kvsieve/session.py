@@ -37,7 +37,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, cache_kwarg_name, check_supported, forward_step
 from .cache import DEAD_POS, SieveCache
-from .policy import Policy, compress, drop_dead, evict_in_place
+from .policy import Policy, compress, drop_dead, evict_in_place, set_prompt_bounds
 
 # Full caches in a compiled session are allocated to a multiple of this many slots, so prompts
 # whose length differs by less than the bucket share one compiled graph.
@@ -65,8 +65,9 @@ def decode_step(model, cache: SieveCache, tokens: torch.Tensor, observer, evict:
     if evict:
         live = torch.stack([layer.lengths.sum(dim=1) for layer in cache.layers], dim=1)
         torch.maximum(peak, live, out=peak)
+        prompt_len = cache.prompt_len if policy.protect_prompt else None
         for index, budget in evict:
-            evict_in_place(cache.layers[index], policy, budget, cache.seen_tokens, excess=1)
+            evict_in_place(cache.layers[index], policy, budget, cache.seen_tokens, excess=1, prompt_len=prompt_len)
     return logits
 
 
@@ -212,10 +213,12 @@ class DecodeSession:
             part = slice(start, start + chunk)
             logits = self._forward(input_ids[:, part], positions[:, part], self.observer, 0 if all_logits else 1)
             pieces.append(logits)
-            if block is not None:  # block-wise prefill eviction
+            if block is not None and not policy.protect_prompt:  # block-wise prefill eviction
                 cache.seen_tokens = (positions[:, : part.stop] != DEAD_POS).sum(dim=1)
-                compress(cache, policy, self.budgets)
+                compress(cache, policy, self.budgets)  # (a protected prompt has nothing to evict)
         cache.seen_tokens = (positions != DEAD_POS).sum(dim=1)
+        if scorer is not None and policy.protect_prompt:  # each row's prompt, and the capacity it needs
+            set_prompt_bounds(cache, policy, self.budgets, self.horizon, cache.seen_tokens)
         drop_dead(cache, headroom=policy.interval if scorer else self.grow_chunk,
                   past_hint=scorer is not None and not policy.compress_prefill)
         if scorer is not None and policy.compress_prefill:
@@ -235,6 +238,8 @@ class DecodeSession:
         if self._compiled is None or self.device.type != "cuda":
             return
         tensors = [self.cache.seen_tokens]
+        if self.cache.prompt_len is not None:
+            tensors.append(self.cache.prompt_len)
         for layer in self.cache.layers:
             tensors += [layer.keys, layer.values, layer.lengths, *layer.meta.values(), *layer.sums.values()]
             if layer.recent_queries is not None:
@@ -254,8 +259,9 @@ class DecodeSession:
         observer = self.observer if policy.observes_step(self.steps) else None
         evict = ()
         if self.evicts_in_step:  # layers at budget and at capacity budget + 1 drop one token each
-            evict = tuple((i, b) for i, (layer, b) in enumerate(zip(cache.layers, self.budgets))
-                          if b is not None and layer.max_len == b and layer.capacity == b + 1)
+            bounds = [policy.layer_bound(cache, b) for b in self.budgets]  # + the longest prompt if protected
+            evict = tuple((i, b) for i, (layer, b, bound) in enumerate(zip(cache.layers, self.budgets, bounds))
+                          if b is not None and layer.max_len == bound and layer.capacity == bound + 1)
             if evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
                 self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)
         for hook in self.on_tokens:
@@ -274,7 +280,7 @@ class DecodeSession:
             logits = decode_step(*args)
         cache.advance(1)
         for index, budget in evict:
-            cache.layers[index].max_len = budget
+            cache.layers[index].max_len = policy.layer_bound(cache, budget)
         if evict:
             self._count_event()
         self.steps += 1

@@ -19,6 +19,11 @@ Definitions (every number is computed from the rows alone):
 * tokens/s: generated tokens over decode time per sample (rows of a batch share the clock).
 * peak live/head: the most live KV tokens any layer held at once, per kv head (the row's
   ``peak_kv_tokens`` is summed over kv heads), mean over samples;
+* bound: whether a budget held as a bound.  A row is over when its peak live tokens per kv head
+  exceed 1.5 x its bound: the budget, or budget + prompt tokens for a row whose settings protect
+  the prompt (``protect_prompt``); 1.5 x is the most the default schedule allows (interval capped
+  at budget // 2).  "OVER k/n" counts such rows; "unknown" when rows lack ``kv_heads`` (written
+  before rows carried it) and none is known to be over; "-" for a cell without a budget.
 * events: compression events per sample (mean), and the share of samples that compressed at
   least once; a bounded cell where no sample compressed is marked "never compressed".
 * perplexity (``text`` data set): exp(total NLL / total scored tokens) over the cell's chunks.
@@ -77,6 +82,8 @@ class CellSummary:
     peak_live_tokens_per_head: float | None = None
     compression_events: float | None = None
     compressed_share: float | None = None
+    over_bound: int | None = None  # rows whose peak live tokens per kv head exceed 1.5 x their bound
+    bound_unknown: int | None = None  # rows that cannot be checked (no kv_heads recorded)
     lost: int | None = None  # paired with full: full right, this cell wrong
     gained: int | None = None  # full wrong, this cell right
     paired_p: float | None = None  # exact McNemar p-value of lost vs gained
@@ -95,6 +102,28 @@ def _compression(row: dict[str, Any]) -> float | None:
     if kept <= 0:
         return None
     return (row["prompt_tokens"] + row.get("generated_tokens", 0)) * row.get("kv_heads", 1) / kept
+
+
+OVER_BOUND = 1.5  # peak live tokens per kv head over this many times the bound: flagged
+
+
+def bound_of(row: dict[str, Any]) -> int | None:
+    """The most live tokens per kv head a row's budget allows after a compression: the budget,
+    plus the prompt when the row's settings protect it; None for a row without a budget."""
+    budget = row.get("budget")
+    if budget is None:
+        return None
+    settings = row.get("settings") or {}
+    return budget + (row.get("prompt_tokens", 0) if settings.get("protect_prompt") else 0)
+
+
+def over_bound(row: dict[str, Any]) -> bool | None:
+    """True if the row's peak live tokens per kv head exceed ``OVER_BOUND`` x ``bound_of(row)``;
+    None when that cannot be known (no budget, or no ``kv_heads``: never guessed)."""
+    bound, heads = bound_of(row), row.get("kv_heads")
+    if bound is None or not heads or row.get("peak_kv_tokens") is None:
+        return None
+    return row["peak_kv_tokens"] / heads > OVER_BOUND * bound
 
 
 def cell_order(key: tuple[str, int | None]) -> tuple:
@@ -129,6 +158,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         mib = [r.get("peak_kv_bytes", 0) / 2**20 for r in group]
         peaks = [r["peak_kv_tokens"] / r.get("kv_heads", 1) for r in group if r.get("peak_kv_tokens")]
         events = [r["compression_events"] for r in group if r.get("compression_events") is not None]
+        flags = [over_bound(r) for r in group]
         out.append(CellSummary(
             method=key[0], budget=key[1], n=len(group), correct=correct if graded else None, accuracy=accuracy,
             ci_low=low, ci_high=high, retained=retained, mean_generated_tokens=_mean(gen),
@@ -137,6 +167,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             perplexity=ppl, peak_live_tokens_per_head=_mean(peaks) if peaks else None,
             compression_events=_mean(events) if events else None,
             compressed_share=sum(e > 0 for e in events) / len(events) if events else None,
+            over_bound=None if key[1] is None else sum(f is True for f in flags),
+            bound_unknown=None if key[1] is None else sum(f is None for f in flags),
             lost=lost, gained=gained, paired_p=None if lost is None else mcnemar_p(lost, gained)))
     return out
 
@@ -149,12 +181,21 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 COLUMNS = ("method", "budget", "n", "accuracy", "95% CI", "retained", "vs full (p)", "gen mean", "gen max", "KV compr.",
-           "peak KV MiB", "peak live/head", "events", "tok/s")
+           "peak KV MiB", "peak live/head", "bound", "events", "tok/s")
 
 
 def _versus_full(s: CellSummary, missing: str) -> str:
     """``-lost/+gained (p)`` against ``full``, or ``missing`` for a cell without a pairing."""
     return missing if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
+
+
+def bound_text(s: CellSummary) -> str:
+    """The bound column: "-" without a budget, "OVER k/n", "unknown" or "ok" (see the definitions)."""
+    if s.over_bound is None:
+        return "-"
+    if s.over_bound:
+        return f"OVER {s.over_bound}/{s.n}"
+    return "unknown" if s.bound_unknown else "ok"
 
 
 def _compression_text(s: CellSummary) -> str:
@@ -182,7 +223,7 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             events = f"{s.compression_events:.1f} ({s.compressed_share:.0%})"
         rows.append((s.method, _fmt(s.budget, "d", "none"), str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
                      str(s.max_generated_tokens), compression, _fmt(s.peak_kv_mib, ".2f"),
-                     _fmt(s.peak_live_tokens_per_head, ".0f"), events, _fmt(s.tokens_per_s, ".1f")))
+                     _fmt(s.peak_live_tokens_per_head, ".0f"), bound_text(s), events, _fmt(s.tokens_per_s, ".1f")))
     return columns, rows
 
 

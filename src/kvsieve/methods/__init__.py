@@ -2,7 +2,7 @@
 
 ``make_policy("tova", budget=128, recent=16)`` builds a ``Policy``: keyword settings go to
 the scorer's dataclass fields, to the schedule (``sinks``, ``recent``, ``interval``,
-``compress_prefill``) or, prefixed ``allocator_``, to the allocator.
+``compress_prefill``, ``prefill_block``, ``protect_prompt``) or, prefixed ``allocator_``, to the allocator.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _register_all() -> None:
 
 _register_all()
 
-SCHEDULE_FIELDS = ("sinks", "recent", "interval", "compress_prefill", "prefill_block")
+SCHEDULE_FIELDS = ("sinks", "recent", "interval", "compress_prefill", "prefill_block", "protect_prompt")
 
 
 def method_names() -> list[str]:
@@ -105,7 +105,8 @@ def describe_methods() -> list[dict]:
     for name in sorted(SCORERS):
         cls = SCORERS[name]
         params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
-        schedule = {"sinks": cls.default_sinks, "recent": cls.recent_doc, "interval": cls.interval_doc or cls.default_interval}
+        schedule = {"sinks": cls.default_sinks, "recent": cls.recent_doc, "interval": cls.interval_doc or cls.default_interval,
+                    "protect_prompt": cls.default_protect_prompt}
         rows.append({"name": name, "summary": cls.summary, "params": {**params, **schedule}, "source": cls.source})
     for prefix in sorted(WRAPPERS):
         cls = WRAPPERS[prefix]

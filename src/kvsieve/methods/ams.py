@@ -314,7 +314,8 @@ class AMS(WrappingScorer):
 
     Schedule defaults (``schedule_defaults``): sinks 4 (Table 15), recent 32 (open; released
     ``always_keep_last=32``), interval I = 512 (Table 15), decode-only (App. B.2, Table 12:
-    ``compress_prefill`` and ``prefill_block`` False, whatever the base's own schedule).
+    ``compress_prefill`` and ``prefill_block`` False, whatever the base's own schedule);
+    ``protect_prompt`` False: the cache, prompt included, is capped at T_keep (App. B.1-B.2).
     """
 
     mass_window: int = 128
@@ -337,7 +338,10 @@ class AMS(WrappingScorer):
     source: ClassVar[str] = ("AMS (Yang & Shen) Alg. 1, Sec. 3.2-3.3, App. B.2/B.4, Table 15; "
                              "open settings: released code")
     schedule_defaults: ClassVar[dict] = {"sinks": 4, "recent": 32, "interval": 512, "compress_prefill": False,
-                                         "prefill_block": False}
+                                         "prefill_block": False, "protect_prompt": False}
+    # protect_prompt False: App. B.2 "cap the per-layer cache length at T_keep", prompt included;
+    # only sinks and the recent suffix are always kept (and Sec. 3.3's must-keep set has no prompt)
+    default_protect_prompt: ClassVar[bool] = False
 
     def __post_init__(self, inner):
         if self.mass_window < 1 or self.mass_kernel < 1 or self.q_min < 0 or not 1 <= self.l_min <= self.l_max:
@@ -411,7 +415,8 @@ class AMS(WrappingScorer):
         chosen = top_per_segment(seg, score, selectable, quota)
         kept = fill_to_budget(chosen, must, sink, score, valid, keep)
         mask = torch.zeros_like(slots).scatter_add_(-1, slots, kept.long()) > 0
-        return mask, min(layer.max_len, budget)
+        # a protected prompt makes budget a [B, 1] tensor of per-row counts (Policy.protect_prompt)
+        return mask, min(layer.max_len, budget) if isinstance(budget, int) else None
 
 
 @register_wrapper("ams-released")

@@ -136,13 +136,19 @@ class CAOTE(WrappingScorer):
         Compress after every prefill chunk (block-wise prefill, Sec. 2 Eqs. 3-7 and Sec. 4.1).
         Blocks of m = 128 tokens (``CAOTE.prefill_chunk``, Sec. 4.1), in ``generate``, ``eval``
         and the CLI alike (``DecodeSession.prefill``).
+    protect_prompt : False
+        Prompt tokens compete for the budget (Sec. 4.1: they are evicted block-wise once the
+        cache reaches it), for every base, as for the interval.
     """
 
     summary: ClassVar[str] = "evict the token whose removal changes the attention output least (any base)"
     source: ClassVar[str] = ("CAOTE Sec. 3 (Eqs. 8, 20-21), App. B.2 heads; one eviction per decode step "
                              "(Sec. 2, Thm. 3.2); block-wise prefill m=128 (Sec. 4.1)")
     fast: ClassVar[bool] = False
-    schedule_defaults: ClassVar[dict] = {"interval": 1, "prefill_block": True}
+    schedule_defaults: ClassVar[dict] = {"interval": 1, "prefill_block": True, "protect_prompt": False}
+    # protect_prompt False: Sec. 4.1 "Prompt consumption": prompt tokens are evicted block-wise once
+    # the cache reaches the budget, so they compete with generated tokens (whatever the base's default)
+    default_protect_prompt: ClassVar[bool] = False
     prefill_chunk: ClassVar[int] = 128  # block m of Sec. 4.1 (DecodeSession.prefill reads it)
     default_interval: ClassVar[int] = 1  # Sec. 2 / Thm. 3.2: the same as schedule_defaults["interval"]
 

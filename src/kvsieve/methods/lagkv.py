@@ -129,6 +129,7 @@ class LagKV(Scorer):
               "--budget B: kvsieve's fit (no rule in the paper): Sec. 3.1 grid with Eq. 10's peak in "
               "[min_fill*B, B], else off-grid with in_paper_grid=False and fit_note in the rows")
     uses_budget = False
+    default_protect_prompt = False  # Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
     fits_budget = True  # a budget is mapped to (L, r) by fit_budget
     fitted_fields = ("lag", "ratio", "in_paper_grid", "fit_note")
     default_sinks = 16

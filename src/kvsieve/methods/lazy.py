@@ -150,6 +150,7 @@ class LazyEviction(Scorer):
     meta_init = {"ts": TS_UNSET, "mri": 0.0}  # new tokens: born now (TS = own position), MRI 0 (Sec. 4)
     observes = True
     default_compress_prefill = False  # App. H.2: the prompt is scored, never cut at prefill
+    default_protect_prompt = False  # App. H.2-H.3: "we treat Prefill and Decode tokens equally": prompt tokens compete
     default_interval = 25  # = window; each instance sets its own in __post_init__
     recent_doc = "window"
 

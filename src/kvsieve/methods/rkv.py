@@ -37,6 +37,9 @@ class RKV(Scorer):
     summary = "attention importance minus key-similarity redundancy"
     source = "Cai et al. 2025 (arXiv:2505.24133) Sec. 3-4: alpha 8, lambda 0.1, buffer 128"
     default_interval = 128
+    # prompt kept whole, only generated tokens compressed: AMS App. B.2 Table 11 ("protecting the prompt
+    # prefix and most recent tokens") and issue 28's reading of the official code (arXiv paper silent)
+    default_protect_prompt = True
     window: int = 8
     kernel: int = 7
     mix_lambda: float = 0.1

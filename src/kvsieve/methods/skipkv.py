@@ -151,6 +151,9 @@ class SkipKV(Scorer):
     default_interval = 128
     default_compress_prefill = False
     per_token_hook = True  # attach() yields on_tokens: the sentence table reads every new token
+    # prompt competes for B: Sec. 4.3 Eq. 12 (padding of the prompt lowers the valid budget, B' = B - pad) and
+    # the official code (skipkv/compression/skipkv.py update_kv cuts the whole cache, prompt included, to B)
+    default_protect_prompt = False
     recent_doc = "window"
     sigma: float = 0.1
     tau: float = 0.95
