@@ -35,7 +35,7 @@ def hf_tokens(model, tok, cache, **kwargs):
 CASES = [("full", None, {}), ("tova", 24, {}), ("tova", 16, {"protect_prompt": True}), ("lazy", 32, {"window": 8}),
          ("caote:tova", 24, {})]
 SLOW_CASES = [("snapkv", 24, {"recent": 8}), ("h2o", 24, {}), ("streaming", 24, {}), ("expected", 24, {}),
-              ("rkv", 24, {"recent": 8}), ("knorm", 24, {}), ("ams:tova", 40, {}), ("lagkv", 24, {})]
+              ("rkv", 12, {"recent": 4}), ("knorm", 24, {}), ("ams:tova", 24, {"recent": 8}), ("lagkv", 24, {})]
 
 
 @pytest.mark.parametrize("method,budget,settings",
@@ -49,10 +49,11 @@ def test_transformers_generate_matches_kvsieve_generate(model_tok, method, budge
     assert hf_tokens(model, tok, cache) == ref.token_ids
     if budget is not None:
         assert sum(s.compression_events for s in ref.stats) > 0  # the comparison covers compressions
-        per_head = torch.stack([layer.lengths for layer in cache.layers])  # [L, B, H]
         policy = make_policy(method, budget, **settings)
-        bound = budget + policy.interval + (cache.prompt_max if policy.protect_prompt else 0)
-        assert int(per_head.max()) <= bound
+        extra = policy.interval + (cache.prompt_max if policy.protect_prompt else 0)
+        for layer, layer_budget in zip(cache.layers, cache.budgets):  # None: a layer the method keeps whole
+            if layer_budget is not None and policy.scorer.uses_budget:  # (LagKV keeps by partitions)
+                assert int(layer.lengths.max()) <= layer_budget + extra
 
 
 def test_streamer_and_sampling(model_tok):
