@@ -62,6 +62,34 @@ KV_SUMS = {
 }
 
 
+def read_slots(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Slots ``slots`` [B, H_kv, m] of each (row, kv head) of a per-token field [B, H_kv, capacity]
+    ([B, H_kv, m] out) or of K or V [B, H_kv, capacity, D] ([B, H_kv, m, D] out)."""
+    if t.dim() == 4:
+        slots = slots[..., None].expand(*slots.shape, t.shape[-1])
+    return t.gather(2, slots)
+
+
+def write_slots(t: torch.Tensor, slots: torch.Tensor, values: torch.Tensor | float) -> None:
+    """``t``'s slots ``slots`` [B, H_kv, m] (distinct per row and head) of each (row, kv head) =
+    ``values`` ([B, H_kv, m] or, for K and V, [B, H_kv, m, D]; or one number), in place: every
+    write into a layer's store goes through here.
+
+    Traced by ``torch.compile`` it is an ``index_put_``, which Inductor keeps in place; a graph
+    that ``scatter_``s into one buffer twice (a step's append, then its eviction) makes Inductor
+    copy the whole buffer for each, K and V of every layer on every compiled step.  Eagerly
+    ``scatter_`` is the cheaper of the two (``index_put_`` broadcasts its indices on every call)."""
+    if torch.compiler.is_compiling():
+        B, H, _ = slots.shape
+        rows = torch.arange(B, device=slots.device)[:, None, None]
+        heads = torch.arange(H, device=slots.device)[None, :, None]
+        t[rows, heads, slots] = values
+        return
+    if t.dim() == 4:
+        slots = slots[..., None].expand(*slots.shape, t.shape[-1])
+    t.scatter_(2, slots, values)
+
+
 def kv_sum(layer, name: str) -> torch.Tensor:
     """[B, H_kv, D] float64 sum of ``KV_SUMS[name]`` over the layer's live tokens: the running sum
     when the layer keeps it, else (a layer or a scorer's view of it that does not) computed now."""
@@ -191,17 +219,17 @@ class SieveLayer(CacheLayerMixin):
             raise RuntimeError("SieveLayer.append before the layer holds anything: prefill through update()")
         if new_pos is None:
             raise RuntimeError("SieveCache.update needs token positions: call cache.begin_step(query_pos) first")
-        B, H, T, D = key_states.shape
+        B, H, T, _ = key_states.shape
         self.step_results.clear()
         slot = self.lengths[:, :, None] + torch.arange(T, device=self.device)  # [B, H, T]
         key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
-        self.keys.scatter_(2, slot[..., None].expand(B, H, T, D), key_states)
-        self.values.scatter_(2, slot[..., None].expand(B, H, T, value_states.shape[-1]), value_states)
-        self.meta["pos"].scatter_(2, slot, new_pos[:, None, :].expand(B, H, T))
+        write_slots(self.keys, slot, key_states)
+        write_slots(self.values, slot, value_states)
+        write_slots(self.meta["pos"], slot, new_pos[:, None, :].expand(B, H, T))
         for name, init in self.meta_init.items():
-            self.meta[name].scatter_(2, slot, slot.new_full(slot.shape, init, dtype=torch.float32))
+            write_slots(self.meta[name], slot, init)
         for name in self.kv_fields:  # from the stored (cast) K/V, so they equal a recomputation
-            self.meta[name].scatter_(2, slot, KV_FIELDS[name](key_states, value_states))
+            write_slots(self.meta[name], slot, KV_FIELDS[name](key_states, value_states))
         if self.kv_sums:
             real = (new_pos != DEAD_POS)[:, None, :].expand(B, H, T)  # padding adds nothing
             for name in self.kv_sums:
@@ -331,7 +359,7 @@ class SieveLayer(CacheLayerMixin):
         vacated = self.lengths[..., None] - drop  # the new end: a dead slot when nothing goes
         self._move_slots(src=torch.where(drop > 0, vacated, drop_idx), dst=drop_idx)
         for name, t in self.meta.items():
-            t.scatter_(2, vacated, self._fill_value(name))
+            write_slots(t, vacated, self._fill_value(name))
         self.lengths.sub_(drop_count)
         if max_len is not None:
             self.max_len = max_len
@@ -340,22 +368,16 @@ class SieveLayer(CacheLayerMixin):
         """Take the tokens in slots ``drop_idx`` [B, H_kv, m] where ``dropped`` out of the running sums."""
         if not self.sums:
             return
-        B, H, m = drop_idx.shape
-        dropped = dropped & (self.meta["pos"].gather(2, drop_idx) != DEAD_POS)  # only live tokens were added
-        keys = self.keys.gather(2, drop_idx[..., None].expand(B, H, m, self.keys.shape[-1]))
-        values = self.values.gather(2, drop_idx[..., None].expand(B, H, m, self.values.shape[-1]))
+        dropped = dropped & (read_slots(self.meta["pos"], drop_idx) != DEAD_POS)  # only live tokens were added
+        keys, values = read_slots(self.keys, drop_idx), read_slots(self.values, drop_idx)
         for name, total in self.sums.items():
             total.sub_(_live_sum(name, keys, values, dropped))
 
     def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the token in slot ``src`` to slot ``dst`` ([B, H_kv, m] each) in K, V and every
         per-token field, in place (all sources are read before any destination is written)."""
-        B, H, m = src.shape
-        for store in (self.keys, self.values):
-            width = store.shape[-1]
-            store.scatter_(2, dst[..., None].expand(B, H, m, width), store.gather(2, src[..., None].expand(B, H, m, width)))
-        for t in self.meta.values():
-            t.scatter_(2, dst, t.gather(2, src))
+        for t in (self.keys, self.values, *self.meta.values()):
+            write_slots(t, dst, read_slots(t, src))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (finished rows leave the batch and free their memory)."""
