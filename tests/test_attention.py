@@ -161,7 +161,7 @@ def test_padding_queries_give_finite_outputs_even_on_an_all_dead_row():
 
 
 def test_missing_step_state_is_an_error_that_says_what_to_do():
-    with pytest.raises(RuntimeError, match="StepState"):
+    with pytest.raises(RuntimeError, match="kvsieve.generate"):
         sieve_attention(MODULE, torch.zeros(1, HQ, 1, D), torch.zeros(1, HKV, 1, D), torch.zeros(1, HKV, 1, D))
 
 

@@ -311,6 +311,7 @@ def full_texts(rows):
     return {k: r["text"] for k, r in keyed(rows).items() if k[1] == "full"}
 
 
+@pytest.mark.slow  # starts a local Ray cluster (13 s)
 def test_ray_local_cluster_gives_the_same_rows(gsm_file, reference, tmp_path):
     pytest.importorskip("ray")
     config = tiny_config(tmp_path, gsm_file)  # full and an eviction cell (tova@32)

@@ -199,6 +199,7 @@ def test_protected_rows_stay_within_prompt_plus_budget_and_match_alone(smollm, m
         assert max(stat.peak_kv_tokens) <= heads * (stat.prompt_tokens + budget + policy.interval)
 
 
+@pytest.mark.slow  # Dynamo trace of a fourth policy (20 s): the default suite traces tova and snapkv already
 def test_compiled_step_with_a_protected_prompt_equals_eager(smollm):
     from kvsieve.session import compile_backend
 

@@ -312,7 +312,7 @@ def test_decode_evicts_one_token_per_generated_token_whatever_the_base(prefix):
         assert policy.settings()["interval"] == 1
     assert make_policy(f"{prefix}:snapkv", budget=256, interval=8).interval == 8  # an explicit setting wins
     row = {r["name"]: r for r in describe_methods()}[f"{prefix}:<base>"]
-    assert row["params"] == {"interval": 1, "prefill_block": True}
+    assert row["params"] == {"interval": 1, "prefill_block": True, "protect_prompt": False}  # Sec. 4.1: the prompt is evicted too
 
 
 def test_settings_report_the_base_methods_settings():

@@ -98,10 +98,10 @@ def test_end_to_end_prompts_survive_and_eviction_is_lru(smollm, monkeypatch):
         return result
 
     real_evict, real_compress_layer = gen_module.evict_in_place, policy_module.compress_layer
-    monkeypatch.setattr(gen_module, "evict_in_place", lambda layer, pol, b, seen, excess, scores=None: check_layer(
-        layer, pol, seen, lambda: real_evict(layer, pol, b, seen, excess, scores)))
-    monkeypatch.setattr(policy_module, "compress_layer", lambda layer, pol, b, seen: check_layer(
-        layer, pol, seen, lambda: real_compress_layer(layer, pol, b, seen)))
+    monkeypatch.setattr(gen_module, "evict_in_place", lambda layer, pol, b, seen, excess, scores=None, prompt_len=None: check_layer(
+        layer, pol, seen, lambda: real_evict(layer, pol, b, seen, excess, scores, prompt_len)))
+    monkeypatch.setattr(policy_module, "compress_layer", lambda layer, pol, b, seen, *prompt: check_layer(
+        layer, pol, seen, lambda: real_compress_layer(layer, pol, b, seen, *prompt)))
     result = generate(model, tok, [SHORT, MEDIUM], policy, GenerateConfig(max_new_tokens=24))
     assert len(checked) >= 30  # evictions really ran (30 layers)
     assert all(s.compression_events > 0 for s in result.stats)

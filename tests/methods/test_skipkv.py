@@ -209,9 +209,9 @@ def test_small_budget_stays_within_budget_plus_interval(smollm, monkeypatch):
     budget, interval = 48, 8
     calls, original = [], policy_module.compress_layer
 
-    def watched(layer, policy, layer_budget, seen_tokens):
+    def watched(layer, policy, layer_budget, seen_tokens, *prompt):
         before = layer.lengths.clone()
-        original(layer, policy, layer_budget, seen_tokens)
+        original(layer, policy, layer_budget, seen_tokens, *prompt)
         sent, live = layer.meta["sent"], layer.live()  # every live slot labelled, sentence ids in position order
         assert (sent[live] >= 0).all() and (sent[~live] == -1).all()
         assert (sent[..., 1:][live[..., 1:]] >= sent[..., :-1][live[..., 1:]]).all()
