@@ -300,9 +300,8 @@ class SieveLayer(CacheLayerMixin):
         if capacity > K:
             kept_idx = torch.cat([kept_idx, kept_idx.new_zeros(B, H, capacity - K)], dim=2)
         dead = torch.arange(capacity, device=self.device) >= new_lengths[..., None]  # [B, H, capacity]
-        keys = self.keys.gather(2, kept_idx[..., None].expand(B, H, capacity, self.keys.shape[-1]))
-        values = self.values.gather(2, kept_idx[..., None].expand(B, H, capacity, self.values.shape[-1]))
-        meta = {name: t.gather(2, kept_idx).masked_fill(dead, self._fill_value(name)) for name, t in self.meta.items()}
+        keys, values = read_slots(self.keys, kept_idx), read_slots(self.values, kept_idx)
+        meta = {name: read_slots(t, kept_idx).masked_fill(dead, self._fill_value(name)) for name, t in self.meta.items()}
         if self.static and capacity == self.capacity:  # same shapes: keep every address
             for old, new in zip((self.keys, self.values, self.lengths, *self.meta.values()),
                                 (keys, values, new_lengths, *meta.values())):

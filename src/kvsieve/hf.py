@@ -150,7 +150,7 @@ class ScheduledCache(SieveCache):
         layer, budget, policy = self.layers[layer_idx], self.budgets[layer_idx], self.policy
         if self.pending is None:
             return
-        protected = self.prompt_len if policy.protect_prompt else None  # set with the prompt (set_prompt_bounds)
+        protected = policy.protected_prompt(self)  # set with the prompt (set_prompt_bounds)
 
         def compress_now():
             compress_layer(layer, policy, budget, self.seen_tokens, protected, self.prompt_max)

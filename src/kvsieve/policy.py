@@ -318,6 +318,11 @@ class Policy:
             return budget
         return budget + cache.prompt_max
 
+    def protected_prompt(self, cache: SieveCache) -> torch.Tensor | None:
+        """[B] prompt lengths to keep outside the budget (``protect_prompt``), or None: the policy
+        does not protect its prompt, or the cache does not know it yet (before ``set_prompt``)."""
+        return cache.prompt_len if self.protect_prompt else None
+
     def needs_compression(self, cache: SieveCache, budgets: list[int | None]) -> bool:
         """Host-side: does any layer want to compress now?"""
         if self.scorer is None or (self.protect_prompt and cache.prompt_len is None):
@@ -471,7 +476,7 @@ def compress(cache: SieveCache, policy: Policy, budgets: list[int]) -> bool:
     (``SieveCache.set_prompt``, at the end of prefill): until then every token is a prompt token."""
     if policy.scorer is None:
         return False
-    prompt_len = cache.prompt_len if policy.protect_prompt else None
+    prompt_len = policy.protected_prompt(cache)
     if policy.protect_prompt and prompt_len is None:
         return False
     did = False

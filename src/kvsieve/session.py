@@ -65,7 +65,7 @@ def decode_step(model, cache: SieveCache, tokens: torch.Tensor, observer, evict:
     if evict:
         live = torch.stack([layer.lengths.sum(dim=1) for layer in cache.layers], dim=1)
         torch.maximum(peak, live, out=peak)
-        prompt_len = cache.prompt_len if policy.protect_prompt else None
+        prompt_len = policy.protected_prompt(cache)
         for index, budget in evict:
             evict_in_place(cache.layers[index], policy, budget, cache.seen_tokens, excess=1, prompt_len=prompt_len)
     return logits
