@@ -16,7 +16,7 @@ from kvsieve.eval import EvalConfig, ResultStore, load_results, run_grid, summar
 from kvsieve.eval.cli import register
 from kvsieve.eval.config import parse_list, parse_shard, split_settings
 from kvsieve.eval.regrade import regrade
-from kvsieve.eval.report import markdown_table, mcnemar_p
+from kvsieve.eval.report import CellSummary, markdown_table, mcnemar_p
 from kvsieve.eval.store import check_manifest, row_key
 
 GSM_ROWS = [
@@ -420,6 +420,44 @@ def test_summary_numbers():
     assert full.lost is None and "-2/+0 (0.5)" in markdown_table([full, t64])
 
 
+def test_cells_pair_with_random_at_their_budget_and_say_the_prompts_fate():
+    """vs random counts, per shared id, random right and the cell wrong (lost) and the reverse."""
+    from kvsieve.eval.report import table_rows
+
+    rows = synthetic_rows()
+    for i in range(10):  # random@64 right on 0-2 and 9; tova@64 right on 0-5
+        rows.append({"id": str(i), "method": "random", "budget": 64, "correct": i < 3 or i == 9, "prompt_tokens": 100,
+                     "generated_tokens": 70, "kv_heads": 2, "final_kv_tokens": 128, "peak_kv_bytes": 2**20})
+    for row in rows:
+        if row["method"] == "tova" and row["budget"] == 128:
+            row["settings"] = {"protect_prompt": True}
+    cells = {s.label: s for s in summarize(rows)}
+    t64, rnd, t128 = cells["tova@64"], cells["random@64"], cells["tova@128"]
+    assert (t64.random_lost, t64.random_gained) == (1, 3) and t64.random_p == pytest.approx(mcnemar_p(1, 3))
+    assert rnd.random_lost is None and t128.random_lost is None  # no random cell at 128
+    assert (t64.prompt, t128.prompt, cells["full"].prompt) == ("competes", "kept", None)
+    columns, table = table_rows([t64, t128])
+    assert table[0][columns.index("vs random (p)")] == "-1/+3 (0.62)"
+    assert [row[columns.index("prompt")] for row in table] == ["competes", "kept"]
+
+
+def test_pareto_front_keeps_cells_no_other_beats_on_memory_and_accuracy():
+    from kvsieve.eval.plots import pareto_front
+
+    def cell(label, mib, acc):
+        return CellSummary(method=label, budget=1, n=10, correct=None, accuracy=acc, ci_low=acc, ci_high=acc,
+                           retained=None, mean_generated_tokens=0, max_generated_tokens=0, kv_compression=None,
+                           peak_kv_mib=mib, max_peak_kv_mib=mib, tokens_per_s=0)
+
+    cells = [cell("a", 1, 0.2), cell("b", 2, 0.1), cell("c", 2, 0.5), cell("d", 4, 0.5), cell("e", 8, 0.7),
+             cell("f", 0.5, 0.2)]
+    # brute force: a cell is dominated if another has <= memory and >= accuracy, one strictly
+    expected = [c.method for c in cells if not any(
+        o.peak_kv_mib <= c.peak_kv_mib and o.accuracy >= c.accuracy and (o.peak_kv_mib, o.accuracy)
+        != (c.peak_kv_mib, c.accuracy) for o in cells)]
+    assert sorted(c.method for c in pareto_front(cells)) == sorted(expected) == ["c", "e", "f"]
+
+
 def test_mcnemar_exact_p_values():
     assert mcnemar_p(5, 0) == pytest.approx(2 / 32)
     assert mcnemar_p(3, 1) == pytest.approx(2 * (1 + 4) / 16)  # = 0.625
@@ -495,12 +533,12 @@ def test_report_files(tmp_path):
     check_manifest(tmp_path, {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80})
     report = write_report(tmp_path)
     names = sorted(p.name for p in report.files)
-    assert names == ["accuracy_vs_budget.png", "generated_length.png", "kv_memory_vs_length.png", "report.md",
-                     "summary.csv"]
+    assert names == ["accuracy_vs_budget.png", "accuracy_vs_peak_kv.png", "generated_length.png",
+                     "kv_memory_vs_length.png", "report.md", "summary.csv"]
     for png in tmp_path.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     md = (tmp_path / "report.md").read_text()
-    assert "tiny on gsm8k" in md and "| tova | 64 | 10 | 0.600 | 0.31-0.83 | 75% |" in md
+    assert "tiny on gsm8k" in md and "| tova | 64 | competes | 10 | 0.600 | 0.31-0.83 | 75% |" in md
     assert "## Side by side" in md and "| tova | 8/10 | -0/+0 (1) |" in md
     csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,budget,n,correct,accuracy,ci_low,ci_high,retained") and len(csv_lines) == 4
@@ -635,6 +673,32 @@ def test_settings_of_a_method_reach_its_steered_label():
     assert out == {"tova": {"recent": 8, "heads": "group"}, "tova+steer": {"recent": 8, "heads": "group", "interval": 2}}
     with pytest.raises(ValueError, match="not in --methods"):
         split_settings({"tova+steer.heads": "group"}, ("tova",))
+
+
+def test_variant_labels_are_cells_with_their_own_settings():
+    """``lazy+protect`` is a cell of its own: the method's settings reach it, its own win over them."""
+    config = EvalConfig(model="m", dataset="gsm8k", out="x", methods=("lazy", "lazy+protect", "lagkv+grid"),
+                        budgets=(128,),
+                        settings=split_settings({"lazy.window": 20, "lazy+protect.protect_prompt": True,
+                                                 "lazy+protect.window": 16}, ("lazy", "lazy+protect")))
+    assert config.cells() == [("full", None), ("lazy", 128), ("lazy+protect", 128), ("lagkv+grid", 128)]
+    assert config.settings == {"lazy": {"window": 20}, "lazy+protect": {"window": 16, "protect_prompt": True}}
+    with pytest.raises(ValueError, match="a variant after '\\+' is lower-case letters"):
+        EvalConfig(model="m", dataset="gsm8k", out="x", methods=("lazy+Protect!",))
+
+
+def test_a_variant_runs_its_own_policy(smollm, gsm_file, reference, tmp_path):
+    """The variant's rows carry its settings; the plain label's rows are the reference grid's."""
+    model, tok = smollm
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reference), encoding="utf-8")
+    methods = ("tova", "tova+protect")
+    config = tiny_config(tmp_path, gsm_file, methods=methods,
+                         settings=split_settings({"tova+protect.protect_prompt": True}, methods))
+    run_grid(config, model, tok, progress=False)
+    rows = keyed(load_results(tmp_path))
+    assert rows[("0", "tova+protect", 32)]["settings"]["protect_prompt"] is True
+    assert rows[("0", "tova", 32)] == keyed(reference)[("0", "tova", 32)]  # not rerun
+    assert rows[("0", "tova+protect", 32)]["peak_kv_tokens"] > rows[("0", "tova", 32)]["peak_kv_tokens"]
 
 
 def test_manifest_keys_steering_by_vector_content_not_path(steering_files, tmp_path):

@@ -49,11 +49,12 @@ def eval_command(
     data_opt: List[str] = typer.Option([], "--data-opt", help="Data set option key=value, e.g. context_tokens=4000."),
     limit: Optional[int] = typer.Option(None, help="First N samples only."),
     methods: str = typer.Option(
-        "full", help="Comma-separated methods; full always runs as the reference. <method>+steer (e.g. "
-                     "skipkv+steer, full+steer) runs the method with --steering: a method label of its own."),
+        "full", help="Comma-separated methods; full always runs as the reference. <method>+<variant> (e.g. "
+                     "lazy+protect with --set lazy+protect.protect_prompt=true) is a cell of its own under its own "
+                     "settings; <method>+steer (e.g. skipkv+steer, full+steer) runs the method with --steering."),
     budgets: str = typer.Option("128", help="Comma-separated KV budgets (tokens per kv head)."),
     set_: List[str] = typer.Option([], "--set", help="Method setting key=value (all methods) or method.key=value "
-                                   "(method.key also sets method+steer; method+steer.key only the steered label)."),
+                                   "(method.key also sets its variants method+*; method+variant.key only that label)."),
     steering: Optional[Path] = typer.Option(
         None, "--steering", metavar="FILE",
         help="SkipKV steering vector (kvsieve steering build --model MODEL --out FILE), built for --model, "

@@ -14,14 +14,29 @@ RESULT_FIELDS = ("model", "dataset", "data_path", "data_options", "max_new_token
 
 Cell = tuple[str, "int | None"]  # (method, budget); budget None for full and self-sizing methods
 
-# A method label ending in STEER runs its method with SkipKV's adaptive steering (``--steering FILE``):
-# "skipkv+steer" is a cell of its own, so steered and unsteered rows never share a key or a summary.
+# A method label is ``<method>`` or ``<method>+<variant>``: a variant is a cell of its own (its rows are
+# keyed and summarised apart) that runs the same method under its own settings, e.g. ``lazy+protect``
+# with ``--set lazy+protect.protect_prompt=true`` beside ``lazy`` at its paper default.  The variant
+# ``steer`` is reserved: ``skipkv+steer`` runs its method with SkipKV's adaptive steering
+# (``--steering FILE``).
+VARIANT = "+"
 STEER = "+steer"
+_VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+def split_label(label: str) -> tuple[str, str]:
+    """``"lazy+protect"`` -> ``("lazy", "protect")``; ``"tova"`` -> ``("tova", "")``."""
+    method, _, variant = label.partition(VARIANT)
+    if VARIANT in label and not _VARIANT_NAME.fullmatch(variant):
+        raise ValueError(f"method label {label!r}: a variant after '+' is lower-case letters, digits and '-' "
+                         "(e.g. lazy+protect)")
+    return method, variant
 
 
 def split_steer(label: str) -> tuple[str, bool]:
-    """``"skipkv+steer"`` -> ``("skipkv", True)``; ``"tova"`` -> ``("tova", False)``."""
-    return (label[: -len(STEER)], True) if label.endswith(STEER) else (label, False)
+    """``"skipkv+steer"`` -> ``("skipkv", True)``; ``"tova"`` and ``"lazy+protect"`` -> (method, False)."""
+    method, variant = split_label(label)
+    return method, variant == STEER[1:]
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -46,10 +61,10 @@ def parse_list(text: str, what: str, cast=str) -> tuple:
 
 
 def split_settings(pairs: dict[str, Any], methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """``{"recent": 8, "tova.heads": "group"}`` -> per-method settings (unscoped keys go to every
-    method but ``full``; ``method.key`` to that method and its steered label ``method+steer``;
-    ``method+steer.key`` to the steered label only)."""
-    out: dict[str, dict[str, Any]] = {m: {} for m in methods if split_steer(m)[0] != "full"}
+    """``{"recent": 8, "tova.heads": "group"}`` -> per-label settings.  Unscoped keys go to every
+    label but ``full``'s; ``method.key`` to that method and each of its variants (``method+steer``,
+    ``method+protect``); ``method+variant.key`` to that label only, over the method's value."""
+    out: dict[str, dict[str, Any]] = {m: {} for m in methods if split_label(m)[0] != "full"}
     scoped = []
     for key, value in pairs.items():
         if "." in key:
@@ -57,11 +72,12 @@ def split_settings(pairs: dict[str, Any], methods: tuple[str, ...]) -> dict[str,
             continue
         for settings in out.values():
             settings[key] = value
-    for key, value in scoped:
-        method, name = key.split(".", 1)
-        targets = [m for m in out if m == method or (not method.endswith(STEER) and m == method + STEER)]
+    # a method's keys before its variants' keys, so the more specific one wins
+    for key, value in sorted(scoped, key=lambda item: VARIANT in item[0].split(".", 1)[0]):
+        label, name = key.split(".", 1)
+        targets = [m for m in out if m == label or (VARIANT not in label and split_label(m)[0] == label)]
         if not targets:
-            raise ValueError(f"setting {key!r} is for method {method!r}, which is not in --methods "
+            raise ValueError(f"setting {key!r} is for method {label!r}, which is not in --methods "
                              f"({', '.join(methods)})")
         for target in targets:
             out[target][name] = value
@@ -137,7 +153,7 @@ class EvalConfig:
 
         self.methods, self.budgets, self.shard = tuple(self.methods), tuple(self.budgets), tuple(self.shard)
         for method in self.methods:
-            takes_budget(split_steer(method)[0])  # raises on an unknown method or wrapper, naming the known ones
+            takes_budget(split_label(method)[0])  # raises on an unknown method or wrapper, naming the known ones
         steered = [m for m in self.methods if split_steer(m)[1]]
         if steered and self.steering is None:
             raise ValueError(f"method(s) {steered} need a steering vector: pass --steering FILE (build one with "
@@ -171,7 +187,7 @@ class EvalConfig:
         for method in dict.fromkeys(self.methods):
             if method == "full":
                 continue
-            if takes_budget(split_steer(method)[0]):
+            if takes_budget(split_label(method)[0]):
                 cells += [(method, budget) for budget in dict.fromkeys(self.budgets)]
             else:
                 cells.append((method, None))

@@ -6,6 +6,9 @@
 * ``kv_memory_vs_length.png``: peak KV memory against sequence length, one series per cell, or
   per budget in large grids (the memory figure of LazyEviction: a full cache grows with the
   output, a budget does not).
+* ``accuracy_vs_peak_kv.png``: the Pareto view, accuracy (95% interval) against each cell's mean
+  peak KV MiB, every cell a point labelled ``method@budget``, with the cells no other cell beats
+  on both axes joined by a line (accuracy grids only).
 * ``generated_length.png``: distribution of generated lengths per cell, a panel per budget with
   ``full`` in each (compression often makes reasoning longer: SkipKV, Observation 3).
 """
@@ -220,6 +223,44 @@ def generated_length(rows: list[dict[str, Any]], path: Path, max_new_tokens: int
     return _save(fig, plt, path)
 
 
+def pareto_front(summaries: list[CellSummary]) -> list[CellSummary]:
+    """The cells no other cell dominates (at most the peak KV memory and at least the accuracy,
+    better in one), by increasing memory."""
+    cells = sorted((s for s in summaries if s.accuracy is not None), key=lambda s: (s.peak_kv_mib, -s.accuracy))
+    front: list[CellSummary] = []
+    for s in cells:
+        if not front or s.accuracy > front[-1].accuracy:
+            front.append(s)
+    return front
+
+
+def accuracy_vs_peak_kv(summaries: list[CellSummary], path: Path) -> Path:
+    """Accuracy against mean peak KV MiB, a point per cell (the same colour per method across
+    budgets), the Pareto front as a line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    cells = [s for s in summaries if s.accuracy is not None]
+    style = {method: i for i, method in enumerate(sorted({s.method for s in cells}))}
+    for method, i in style.items():
+        mine = [s for s in cells if s.method == method]
+        err = [[s.accuracy - s.ci_low for s in mine], [s.ci_high - s.accuracy for s in mine]]
+        ax.errorbar([s.peak_kv_mib for s in mine], [s.accuracy for s in mine], yerr=err, capsize=2, linestyle="none",
+                    alpha=0.8, label=method, **_series_style(plt, i))
+        for s in mine:
+            ax.annotate(s.label, (s.peak_kv_mib, s.accuracy), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    front = pareto_front(cells)
+    ax.plot([s.peak_kv_mib for s in front], [s.accuracy for s in front], color="black", alpha=0.4, linewidth=1,
+            label="Pareto front", drawstyle="steps-post")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak KV cache per sample (MiB, mean; log scale)")
+    ax.set_ylabel("accuracy (95% Wilson CI)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("accuracy vs peak KV memory (up and left is better)")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -232,6 +273,8 @@ def draw_all(rows: list[dict[str, Any]], summaries: list[CellSummary], directory
     """Draw every plot into ``directory``; returns their paths."""
     out = [accuracy_vs_budget(summaries, directory / "accuracy_vs_budget.png"),
            kv_memory_vs_length(rows, directory / "kv_memory_vs_length.png")]
+    if any(s.accuracy is not None for s in summaries):
+        out.append(accuracy_vs_peak_kv(summaries, directory / "accuracy_vs_peak_kv.png"))
     if any(r.get("generated_tokens") for r in rows):
         out.append(generated_length(rows, directory / "generated_length.png", max_new_tokens))
     return out

@@ -9,6 +9,10 @@ Definitions (every number is computed from the rows alone):
   wrong and the reverse, with the exact two-sided McNemar p-value (McNemar 1947; under "no
   difference" the discordant samples split as Binomial(lost + gained, 1/2)): a small p says the
   cell's accuracy differs from ``full``'s beyond chance on these samples;
+* vs random: the same pairing against the ``random`` cell at the same budget (the control: a
+  method that cannot beat random eviction beyond chance has not shown that its scores help);
+* prompt: "kept" when the rows protect the prompt (``protect_prompt``: the budget bounds the
+  generated tokens only), "competes" when prompt and output share the budget, "-" without one;
 * KV compression: per sample, the KV tokens a full cache would hold at the end
   (``(prompt + generated) * kv_heads``) over the live KV tokens the method holds at the end
   (mean over layers, ``final_kv_tokens_mean``; rows written before that field existed use the
@@ -87,6 +91,10 @@ class CellSummary:
     lost: int | None = None  # paired with full: full right, this cell wrong
     gained: int | None = None  # full wrong, this cell right
     paired_p: float | None = None  # exact McNemar p-value of lost vs gained
+    random_lost: int | None = None  # paired with random at the same budget: random right, this cell wrong
+    random_gained: int | None = None
+    random_p: float | None = None
+    prompt: str | None = None  # "kept" (protect_prompt), "competes", "mixed"; None without a budget
 
     @property
     def label(self) -> str:
@@ -126,6 +134,24 @@ def over_bound(row: dict[str, Any]) -> bool | None:
     return row["peak_kv_tokens"] / heads > OVER_BOUND * bound
 
 
+def paired(reference: dict[str, dict[str, Any]] | None, graded: list[dict[str, Any]]):
+    """``(lost, gained, p)`` of ``graded`` rows against the ``reference`` cell's rows (by id) on the
+    samples both graded, or ``(None, None, None)`` without a reference or a shared sample."""
+    pairs = [(bool(reference[r["id"]]["correct"]), bool(r["correct"])) for r in graded
+             if reference is not None and r["id"] in reference and reference[r["id"]].get("correct") is not None]
+    if not pairs:
+        return None, None, None
+    lost, gained = sum(f and not c for f, c in pairs), sum(c and not f for f, c in pairs)
+    return lost, gained, mcnemar_p(lost, gained)
+
+
+def prompt_fate(group: list[dict[str, Any]]) -> str | None:
+    """The prompt column: "kept", "competes" or "mixed" over a budgeted cell's rows, else None."""
+    fates = {"kept" if (r.get("settings") or {}).get("protect_prompt") else "competes"
+             for r in group if r.get("budget") is not None}
+    return None if not fates else fates.pop() if len(fates) == 1 else "mixed"
+
+
 def cell_order(key: tuple[str, int | None]) -> tuple:
     method, budget = key
     return (method != "full", method, budget is None, budget or 0)
@@ -148,9 +174,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
                  if r["id"] in full and full[r["id"]].get("correct") is not None]
         full_acc = sum(f for f, _ in pairs) / len(pairs) if pairs else None
         retained = accuracy / full_acc if accuracy is not None and full_acc else None
-        lost = gained = None
-        if pairs and key != ("full", None):
-            lost, gained = sum(f and not c for f, c in pairs), sum(c and not f for f, c in pairs)
+        lost, gained, paired_p = paired(full if key != ("full", None) else None, graded)
+        random_cell = cells.get(("random", key[1])) if key[1] is not None and key[0] != "random" else None
+        random_lost, random_gained, random_p = paired(
+            None if random_cell is None else {r["id"]: r for r in random_cell}, graded)
         ratios = [c for c in map(_compression, group) if c is not None]
         scored = [r for r in group if r.get("nll") is not None]
         ppl = math.exp(sum(r["nll"] for r in scored) / max(sum(r["scored_tokens"] for r in scored), 1)) if scored else None
@@ -169,7 +196,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             compressed_share=sum(e > 0 for e in events) / len(events) if events else None,
             over_bound=None if key[1] is None else sum(f is True for f in flags),
             bound_unknown=None if key[1] is None else sum(f is None for f in flags),
-            lost=lost, gained=gained, paired_p=None if lost is None else mcnemar_p(lost, gained)))
+            lost=lost, gained=gained, paired_p=paired_p, random_lost=random_lost, random_gained=random_gained,
+            random_p=random_p, prompt=prompt_fate(group)))
     return out
 
 
@@ -180,13 +208,18 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return format(value, spec)
 
 
-COLUMNS = ("method", "budget", "n", "accuracy", "95% CI", "retained", "vs full (p)", "gen mean", "gen max", "KV compr.",
-           "peak KV MiB", "peak live/head", "bound", "events", "tok/s")
+COLUMNS = ("method", "budget", "prompt", "n", "accuracy", "95% CI", "retained", "vs full (p)", "vs random (p)",
+           "gen mean", "gen max", "KV compr.", "peak KV MiB", "peak live/head", "bound", "events", "tok/s")
+_QUALITY = slice(4, 9)  # the accuracy columns, replaced by perplexity on a text grid
+
+
+def _versus(lost: int | None, gained: int | None, p: float | None, missing: str) -> str:
+    """``-lost/+gained (p)`` against a reference cell, or ``missing`` for a cell without a pairing."""
+    return missing if lost is None else f"-{lost}/+{gained} ({p:.2g})"
 
 
 def _versus_full(s: CellSummary, missing: str) -> str:
-    """``-lost/+gained (p)`` against ``full``, or ``missing`` for a cell without a pairing."""
-    return missing if s.lost is None else f"-{s.lost}/+{s.gained} ({s.paired_p:.2g})"
+    return _versus(s.lost, s.gained, s.paired_p, missing)
 
 
 def bound_text(s: CellSummary) -> str:
@@ -206,14 +239,15 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
     """Column names and formatted cells, shared by markdown and the terminal table
     (perplexity replaces accuracy for the ``text`` data set)."""
     has_ppl = any(s.perplexity is not None for s in summaries)
-    columns = COLUMNS if not has_ppl else ("method", "budget", "n", "perplexity", *COLUMNS[7:])
+    columns = COLUMNS if not has_ppl else (*COLUMNS[:_QUALITY.start], "perplexity", *COLUMNS[_QUALITY.stop:])
     rows = []
     for s in summaries:
         if has_ppl:
             quality: tuple[str, ...] = (_fmt(s.perplexity, ".3f"),)
         else:
             ci = f"{s.ci_low:.2f}-{s.ci_high:.2f}" if s.ci_low is not None else "-"
-            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"), _versus_full(s, "-"))
+            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"), _versus_full(s, "-"),
+                       _versus(s.random_lost, s.random_gained, s.random_p, "-"))
         compression = _compression_text(s)
         if s.compression_events is None:
             events = "-"
@@ -221,7 +255,7 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             events = "never compressed"
         else:
             events = f"{s.compression_events:.1f} ({s.compressed_share:.0%})"
-        rows.append((s.method, _fmt(s.budget, "d", "none"), str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
+        rows.append((s.method, _fmt(s.budget, "d", "none"), s.prompt or "-", str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
                      str(s.max_generated_tokens), compression, _fmt(s.peak_kv_mib, ".2f"),
                      _fmt(s.peak_live_tokens_per_head, ".0f"), bound_text(s), events, _fmt(s.tokens_per_s, ".1f")))
     return columns, rows
