@@ -687,6 +687,18 @@ def test_variant_labels_are_cells_with_their_own_settings():
         EvalConfig(model="m", dataset="gsm8k", out="x", methods=("lazy+Protect!",))
 
 
+def test_skip_runs_a_held_out_slice(gsm_file):
+    from kvsieve.eval.runner import load_samples
+
+    every = [s.id for s in load_samples(tiny_config("x", gsm_file, limit=None))]
+    assert len(every) >= 3
+    assert [s.id for s in load_samples(tiny_config("x", gsm_file, skip=1, limit=2))] == every[1:3]
+    with pytest.raises(ValueError, match=f"--skip {len(every)} passes over all {len(every)} samples"):
+        load_samples(tiny_config("x", gsm_file, skip=len(every)))
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        tiny_config("x", gsm_file, skip=-1)
+
+
 def test_a_variant_runs_its_own_policy(smollm, gsm_file, reference, tmp_path):
     """The variant's rows carry its settings; the plain label's rows are the reference grid's."""
     model, tok = smollm

@@ -100,7 +100,10 @@ class EvalConfig:
         The grid; ``full`` runs once per sample whether listed or not, as does every method
         that sizes its own cache (LagKV).
     limit : int | None
-        First N samples of the data set (before sharding).
+        N samples of the data set (before sharding), after the first ``skip``.
+    skip : int
+        Samples passed over at the start of the data set: ``skip=100, limit=50`` runs samples
+        100-149 (a held-out slice; rows are keyed by sample id, so it is not a result field).
     max_new_tokens, temperature, seed, prefill_chunk : decoding settings (``GenerateConfig``).
     batch_size : int
         Samples decoded together.
@@ -132,6 +135,7 @@ class EvalConfig:
     methods: tuple[str, ...] = ("full",)
     budgets: tuple[int, ...] = (128,)
     limit: int | None = None
+    skip: int = 0
     data_path: str | None = None
     data_options: dict[str, Any] = field(default_factory=dict)
     max_new_tokens: int = 512
@@ -171,6 +175,8 @@ class EvalConfig:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.skip < 0:
+            raise ValueError(f"skip must be >= 0, got {self.skip}")
         if len(self.shard) != 2 or not 0 <= self.shard[0] < self.shard[1]:
             raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {self.shard}")
         if self.writer is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", self.writer):

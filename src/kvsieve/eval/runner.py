@@ -30,9 +30,13 @@ def shard_samples(samples: list[Sample], shard: tuple[int, int]) -> list[Sample]
 
 
 def load_samples(config: EvalConfig) -> list[Sample]:
-    samples = load_dataset(config.dataset, path=config.data_path, limit=config.limit, seed=config.seed,
+    limit = None if config.limit is None else config.skip + config.limit
+    samples = load_dataset(config.dataset, path=config.data_path, limit=limit, seed=config.seed,
                            **config.data_options)
-    return shard_samples(samples, config.shard)
+    if config.skip and config.skip >= len(samples):
+        raise ValueError(f"--skip {config.skip} passes over all {len(samples)} samples of {config.dataset}; "
+                         "lower --skip")
+    return shard_samples(samples[config.skip:], config.shard)
 
 
 def make_cell_policy(config: EvalConfig, cell: Cell):
