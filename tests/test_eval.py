@@ -187,6 +187,28 @@ def test_manifest_refuses_other_settings(tmp_path):
         check_manifest(tmp_path, {"model": "a", "max_new_tokens": 32})
 
 
+def test_pinned_commit_is_the_checkouts_head_and_refuses_changes(tmp_path):
+    from kvsieve.eval.config import source_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    with pytest.raises(ValueError, match="needs kvsieve run from a git checkout"):
+        source_commit(tmp_path)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert source_commit(tmp_path) == git("rev-parse", "HEAD")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    with pytest.raises(ValueError, match="has uncommitted changes; commit them or run from a clean worktree"):
+        source_commit(tmp_path)
+    check_manifest(tmp_path / "run", {"model": "m", "source_commit": "a" * 40})
+    with pytest.raises(ValueError, match="source_commit: 'a{40}' before, 'b{40}' now"):
+        check_manifest(tmp_path / "run", {"model": "m", "source_commit": "b" * 40})
+
+
 def test_manifest_lets_a_grid_grow_by_methods(tmp_path):
     check_manifest(tmp_path, {"model": "a", "settings": {"tova": {}}})
     check_manifest(tmp_path, {"model": "a", "settings": {"snapkv": {"window": 8}}})  # a new method joins

@@ -82,6 +82,8 @@ def eval_command(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     progress: bool = typer.Option(True, help="Progress bars with ETA per cell."),
+    pin_commit: bool = typer.Option(False, "--pin-commit", help="Record the source's git commit in run.json and "
+                                    "refuse rows from any other commit or from uncommitted changes."),
 ):
     """Run (or resume) a (method x budget) grid; one JSON line per finished sample.
 
@@ -104,7 +106,8 @@ def eval_command(
         seed=seed, prefill_chunk=prefill_chunk, batch_size=batch_size, compile=compile,
         settings=_bad(split_settings, _pairs(set_, "--set"), method_list), shard=_bad(parse_shard, shard),
         device=device, dtype=dtype, steering=None if steering is None else str(steering),
-        steering_settings=_pairs(steering_set, "--steering-set"), writer=writer)
+        steering_settings=_pairs(steering_set, "--steering-set"), writer=writer,
+        pin_commit=pin_commit)
     # Everything the user can get wrong fails here, before the model loads (but a steering vector
     # built for another model, found once it has loaded); other errors after this point are bugs
     # and keep their traceback.

@@ -39,6 +39,29 @@ def split_steer(label: str) -> tuple[str, bool]:
     return method, variant == STEER[1:]
 
 
+def source_commit(package: "str | None" = None) -> str:
+    """The git commit of the kvsieve source being run (``package``: the directory to ask, by
+    default this package's); raises when it is not a clean git checkout (uncommitted changes
+    under that directory would not be what the commit says)."""
+    import subprocess
+    from pathlib import Path
+
+    package = Path(package) if package is not None else Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--", ".")
+    except (OSError, subprocess.CalledProcessError):
+        raise ValueError(f"--pin-commit needs kvsieve run from a git checkout; {package} is not one") from None
+    if dirty:
+        raise ValueError(f"--pin-commit: {package} has uncommitted changes; commit them or run from a clean "
+                         "worktree (git worktree add DIR COMMIT)")
+    return commit
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """``"i/n"`` -> ``(i, n)`` with ``0 <= i < n``."""
     try:
@@ -118,6 +141,10 @@ class EvalConfig:
         labelled ``<method>+steer`` (``full+steer``: steering alone); needed iff one is listed.
     steering_settings : dict
         ``alpha0`` / ``gamma`` / ``positions`` over the vector's preset (``Steering.preset``).
+    pin_commit : bool
+        Record the git commit of the kvsieve source in ``run.json`` (``source_commit``) and
+        refuse to add rows from any other commit, or from a source tree with uncommitted changes:
+        every row of a long grid then comes from one recorded version of the code.
     writer : str | None
         Tag of this process's results file, ``results.<writer>.jsonl``: several processes can
         then fill disjoint cells of one directory (e.g. one per budget) side by side; readers
@@ -151,6 +178,7 @@ class EvalConfig:
     steering: str | None = None
     steering_settings: dict[str, Any] = field(default_factory=dict)
     writer: str | None = None
+    pin_commit: bool = False
 
     def __post_init__(self):
         from ..methods import takes_budget
@@ -204,6 +232,8 @@ class EvalConfig:
         ``settings`` lists every method of this run, ``{}`` meaning its defaults."""
         fields = {k: asdict(self)[k] for k in RESULT_FIELDS}
         fields["settings"] = {m: self.settings.get(m, {}) for m in self.methods if m != "full"}
+        if self.pin_commit:
+            fields["source_commit"] = source_commit()
         if self.steering is not None:
             steering = self.steering_identity()
             for method in fields["settings"]:
