@@ -65,6 +65,14 @@ def test_cells_take_wrappers_and_budget_fitted_methods():
         EvalConfig(model="m", dataset="d", out="x", methods=("nope:tova",))
 
 
+def test_lagkv_given_its_own_size_runs_once_without_a_budget():
+    """A budget would only be fitted to L and r: given them, LagKV is one cell, placed by its peak."""
+    config = EvalConfig(model="m", dataset="gsm8k", out="x", methods=("lagkv", "lagkv+grid", "tova"),
+                        budgets=(128, 64), settings={"lagkv+grid": {"lag": 128, "ratio": 0.125}})
+    assert config.cells() == [("full", None), ("lagkv", 128), ("lagkv", 64), ("lagkv+grid", None), ("tova", 128),
+                              ("tova", 64)]
+
+
 def test_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="unknown method .nope.; choose one of: full"):
         EvalConfig(model="m", dataset="d", out="x", methods=("nope",))

@@ -214,14 +214,16 @@ class EvalConfig:
             raise ValueError(f"settings given for method(s) {sorted(stray)} not in methods {list(self.methods)}")
 
     def cells(self) -> list[Cell]:
-        """``full`` first (the reference), then every method at every budget it takes."""
-        from ..methods import takes_budget
+        """``full`` first (the reference), then every method at every budget it takes (once without
+        a budget for a method that sizes its own cache, e.g. LagKV given its L and r)."""
+        from ..methods import sizes_itself, takes_budget
 
         cells: list[Cell] = [("full", None)]
         for method in dict.fromkeys(self.methods):
             if method == "full":
                 continue
-            if takes_budget(split_label(method)[0]):
+            name = split_label(method)[0]
+            if takes_budget(name) and not sizes_itself(name, self.settings.get(method, {})):
                 cells += [(method, budget) for budget in dict.fromkeys(self.budgets)]
             else:
                 cells.append((method, None))

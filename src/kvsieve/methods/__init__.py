@@ -63,6 +63,16 @@ def takes_budget(name: str) -> bool:
     return SCORERS[name].uses_budget or SCORERS[name].fits_budget
 
 
+def sizes_itself(name: str, settings: dict) -> bool:
+    """Whether ``name`` under ``settings`` runs without a budget although it can take one: a
+    method whose budget is mapped to its own settings (LagKV's L and r, ``fitted_fields``) keeps
+    those settings when the user gives any of them, so a budget would have nothing to fit."""
+    if not takes_budget(name) or ":" in name:
+        return False
+    cls = SCORERS[name]
+    return not cls.uses_budget and any(key in cls.fitted_fields for key in settings)
+
+
 def make_policy(name: str, budget: int | None = None, allocator: str = "uniform", **settings) -> Policy:
     """Build the policy called ``name``; errors name what is allowed."""
     if name == "full":
