@@ -58,12 +58,13 @@ def cosine_rows(unit: torch.Tensor, live: torch.Tensor, start: int, stop: int,
     s.diagonal(offset=start, dim1=-2, dim2=-1).zero_()  # self pairs (i, i)
     if threshold is None:
         return s
-    cap = s.shape[-1]
     partner = (s > threshold) & live[:, :, None, :] & live[:, :, start:stop, None]  # dead never partners
     partner.diagonal(offset=start, dim1=-2, dim2=-1).fill_(False)  # nor a key itself (threshold < 0)
-    slots = torch.arange(cap, device=s.device, dtype=torch.int32)
-    last = torch.where(partner, slots, -1).amax(-1, keepdim=True)  # [B, H, rows, 1]: -1 = no partner
-    return s.masked_fill_(slots == last, 0.0)
+    slot_1 = torch.arange(1, s.shape[-1] + 1, device=s.device, dtype=torch.int32)  # slot + 1
+    last = (partner * slot_1).amax(-1, keepdim=True) - 1  # [B, H, rows, 1]: last partner, -1 if none
+    # one write per row (a full-block masked_fill is ~4x slower): 0 at the partner, else unchanged
+    at = last.clamp(min=0)
+    return s.scatter_(-1, at, s.gather(-1, at).masked_fill_(last >= 0, 0.0))
 
 
 def mean_similarity_to_others(unit: torch.Tensor, live: torch.Tensor, threshold: float | None = None,
