@@ -350,7 +350,7 @@ def test_keydiff_score_is_negated_cosine_to_the_mean_of_normalised_live_keys():
 # ============================================================================ rkv
 
 
-def rkv_reference(built: Built, window: int, kernel: int, lam: float) -> list:
+def rkv_reference(built: Built, window: int, kernel: int, lam: float, threshold: float | None = 0.5) -> list:
     exp = [[{} for _ in range(HKV)] for _ in range(B)]
     for b in range(B):
         for h in range(HKV):
@@ -360,24 +360,32 @@ def rkv_reference(built: Built, window: int, kernel: int, lam: float) -> list:
             importance = pool(importance, kernel, "max")
             keys = live_keys(built, b, h)
             n = len(keys)
-            mean_sim = [sum(float(F.cosine_similarity(keys[i], keys[j], dim=0)) for j in range(n) if j != i) / (n - 1)
-                        for i in range(n)]
+            cos = [[0.0 if i == j else float(F.cosine_similarity(keys[i], keys[j], dim=0)) for j in range(n)]
+                   for i in range(n)]
+            if threshold is not None:  # official cal_similarity: each row's latest partner above threshold -> 0
+                for i in range(n):
+                    partners = [j for j in range(n) if j != i and cos[i][j] > threshold]
+                    if partners:
+                        cos[i][max(partners)] = 0.0
+            mean_sim = [sum(cos[i][j] for i in range(n) if i != j) / (n - 1) for j in range(n)]
             z = sum(math.exp(s) for s in mean_sim)
             redundancy = [math.exp(s) / z for s in mean_sim]
             exp[b][h] = {p: lam * i - (1 - lam) * r for p, i, r in zip(live, importance, redundancy)}
     return exp
 
 
-@pytest.mark.parametrize("lam", [0.1, 0.6])
-def test_rkv_score_is_lambda_importance_minus_weighted_redundancy(lam):
-    scorer = RKV(window=4, kernel=3, mix_lambda=lam)
+@pytest.mark.parametrize("lam,threshold", [(0.1, 0.5), (0.6, 0.5), (0.1, 0.2), (0.1, None)])
+def test_rkv_score_is_lambda_importance_minus_weighted_redundancy(lam, threshold):
+    scorer = RKV(window=4, kernel=3, mix_lambda=lam, partner_threshold=threshold)
     built = build(8, window=4)  # ragged heads with dead slots
-    assert_live_scores(built, scorer.score(built.layer, built.seen), rkv_reference(built, 4, 3, lam), atol=1e-6)
+    want = rkv_reference(built, 4, 3, lam, threshold)
+    assert_live_scores(built, scorer.score(built.layer, built.seen), want, atol=1e-6)
 
 
 def test_rkv_defaults_window_8_kernel_7_and_redundancy_is_a_distribution_over_live_tokens():
     scorer = RKV()
     assert (scorer.window, scorer.kernel, scorer.mix_lambda, scorer.query_window()) == (8, 7, 0.1, 8)
+    assert scorer.partner_threshold == 0.5  # official rkv/utils.py cal_similarity(threshold=0.5)
     assert make_policy("rkv", budget=512).interval == 128  # R-KV's default interval
     assert make_policy("rkv", budget=64).interval == 32  # capped at budget // 2: a budget stays a bound
     built = build(9, window=8)

@@ -98,7 +98,7 @@ def test_pss_marks_the_earlier_sentence_of_each_similar_pair():
     assert table.penalty(tau=0.999, min_tokens=2)[0, 2].item() == 0  # 0.995 is not above tau
 
 
-def manual_eq6(layer, lam_of_token, sigma, group_pool, redundancy):
+def manual_eq6(layer, lam_of_token, sigma, group_pool, redundancy, threshold):
     """Eq. 6 computed slot by slot with loops, for one row and one kv head."""
     keys, q, qpos = layer.keys[0, 0], layer.recent_queries[0], layer.recent_query_pos[0]
     pos, C = layer.meta["pos"][0, 0], layer.keys.shape[2]
@@ -113,27 +113,34 @@ def manual_eq6(layer, lam_of_token, sigma, group_pool, redundancy):
             pooled = torch.stack([per_head[g][seen].softmax(0) for g in range(q.shape[0])]).max(0).values
         imp[seen] += pooled.softmax(0) / q.shape[1]
     cos = F.normalize(keys, dim=-1) @ F.normalize(keys, dim=-1).T
+    if threshold is not None:  # official cal_similarity_multi_batch: each row's latest partner above it -> 0
+        for i in live:
+            partners = [j for j in live if j != i and cos[i, j] > threshold]
+            if partners:
+                cos[i, max(partners)] = 0.0
     red = torch.zeros(C)
     if redundancy == "eq5":
         for i in live:
             others = [j for j in live if j != i]
             red[others] += cos[i, others].softmax(0) / len(live)
     else:
-        mean = torch.tensor([cos[j, [i for i in live if i != j]].mean() for j in live])
+        mean = torch.tensor([cos[[i for i in live if i != j], j].mean() for j in live])  # column j: S_ij over rows i
         red[live] = mean.softmax(0)
     return sigma * imp - (1 - sigma) * red - lam_of_token
 
 
-@pytest.mark.parametrize("group_pool,redundancy", [("logits", "eq5"), ("probs", "rkv")])
-def test_score_is_eq6(group_pool, redundancy):
+@pytest.mark.parametrize("group_pool,redundancy,threshold",
+                         [("logits", "eq5", 0.5), ("probs", "rkv", 0.5), ("logits", "eq5", 0.1), ("logits", "eq5", None)])
+def test_score_is_eq6(group_pool, redundancy, threshold):
     e = torch.eye(4)
     table = table_with([e[0], e[1], e[0]], [2, 3, 2])  # s0 ~ s2: s0 penalised by 1.0
-    scorer = SkipKV(kernel=1, window=3, group_pool=group_pool, redundancy=redundancy, sigma=0.3)
+    scorer = SkipKV(kernel=1, window=3, group_pool=group_pool, redundancy=redundancy, sigma=0.3,
+                    partner_threshold=threshold)
     scorer.sentences = table
     layer = one_layer(scorer, torch.arange(8)[None], window=3)
     lam_of_token = torch.tensor([1.0, 1.0, 0, 0, 0, 0, 0, 0])
     got = scorer.score(layer, torch.tensor([8]))[0, 0, :8]
-    want = manual_eq6(layer, lam_of_token, 0.3, group_pool, redundancy)
+    want = manual_eq6(layer, lam_of_token, 0.3, group_pool, redundancy, threshold)
     torch.testing.assert_close(got, want[:8], rtol=1e-5, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ..attention import window_attention
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, pool_along_sequence, reduce_group, register
-from ._keysim import rkv_redundancy, unit_keys
+from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, unit_keys
 
 
 @register("rkv")
@@ -32,6 +32,10 @@ class RKV(Scorer):
         Weight of importance (paper Sec. 4: lambda = 0.1; the official code uses 0.07).
     head_reduction : str, default "mean"
         GQA reduction of the importance onto kv heads.
+    partner_threshold : float or None, default 0.5
+        Cosine above which a key's last (latest) partner is exempted from its redundancy sum
+        (official code ``rkv/utils.py`` ``cal_similarity(threshold=0.5, retain_direction="last")``).
+        None: no exemption, kvsieve's earlier reading (O(cap) instead of O(cap^2) per head).
     """
 
     summary = "attention importance minus key-similarity redundancy"
@@ -44,6 +48,7 @@ class RKV(Scorer):
     kernel: int = 7
     mix_lambda: float = 0.1
     head_reduction: str = "mean"
+    partner_threshold: float | None = PARTNER_THRESHOLD
 
     def __post_init__(self):
         if not 0.0 <= self.mix_lambda <= 1.0:
@@ -51,6 +56,7 @@ class RKV(Scorer):
         if self.window < 1 or self.kernel < 1:
             raise ValueError(f"rkv window and kernel must be >= 1, got {self.window}, {self.kernel}")
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "rkv head_reduction")
+        check_threshold(self.partner_threshold, "rkv partner_threshold")
 
     recent_doc = "window"
 
@@ -61,9 +67,10 @@ class RKV(Scorer):
         return self.window
 
     def redundancy(self, layer) -> torch.Tensor:
-        """[B, H_kv, cap]: softmax over live tokens of each key's mean cosine similarity to the others."""
+        """[B, H_kv, cap]: softmax over live tokens of each key's mean cosine similarity to the
+        others, last partners above ``partner_threshold`` exempted."""
         live = layer.live()  # [B, H_kv, cap]
-        return rkv_redundancy(unit_keys(layer.keys, live), live)
+        return rkv_redundancy(unit_keys(layer.keys, live), live, self.partner_threshold)
 
     def score(self, layer, seen_tokens):
         attn = window_attention(layer)  # [B, H_kv, G, w, cap]

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..attention import visible, window_attention
 from ..cache import DEAD_POS
 from ..policy import Scorer, check_choice, pool_along_sequence, register
-from ._keysim import rkv_redundancy, softmax_similarity_mean, unit_keys
+from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, softmax_similarity_mean, unit_keys
 from ..steering import DELIMITERS, vocab_ids
 
 
@@ -138,6 +138,12 @@ class SkipKV(Scorer):
         which Eq. 5 follows ("Inspired by R-KV"), scores a key against the *other* keys (its code
         zeroes that cosine).  Kept in, it would add most to the redundancy of the keys least
         similar to the others.
+    partner_threshold : float or None, default 0.5
+        Cosine above which a key's last (latest) partner is exempted: its cosine in K-bar K-bar^T
+        is set to 0 before either aggregation (official code ``skipkv/utils.py``
+        ``cal_similarity_multi_batch(threshold=0.5, retain_direction="last")``, called by
+        ``SkipKV.update_kv``).  Deviation from Eq. 5, which has no threshold: the code is
+        followed.  None: Eq. 5 as printed, kvsieve's earlier reading.
     min_sentence_tokens : int, default 2
         Shorter sentences take no part in PSS (official code skips one-token ranges).
     delimiters : tuple of str
@@ -161,6 +167,7 @@ class SkipKV(Scorer):
     kernel: int = 7
     group_pool: str = "logits"
     redundancy: str = "eq5"
+    partner_threshold: float | None = PARTNER_THRESHOLD
     min_sentence_tokens: int = 2
     delimiters: tuple[str, ...] = DELIMITERS
 
@@ -171,6 +178,7 @@ class SkipKV(Scorer):
             raise ValueError("skipkv window, kernel and min_sentence_tokens must be >= 1")
         check_choice(self.group_pool, ("logits", "probs"), "skipkv group_pool")
         check_choice(self.redundancy, ("eq5", "rkv"), "skipkv redundancy")
+        check_threshold(self.partner_threshold, "skipkv partner_threshold")
         self.sentences: SentenceTable | None = None
 
     def default_recent(self, budget):
@@ -221,9 +229,11 @@ class SkipKV(Scorer):
     def key_redundancy(self, layer, live):
         """[B, H_kv, cap] R of Eq. 5 over live keys (``redundancy="rkv"``: R-KV's form)."""
         unit = unit_keys(layer.keys, live)  # K-bar
+        # deviation: Eq. 5 softmaxes K-bar K-bar^T as is; the official code (cal_similarity_multi_batch)
+        # first zeroes each key's cosine to its last partner above 0.5, and so does kvsieve
         if self.redundancy == "eq5":  # row-softmax over the others, then the mean over rows (Eq. 5)
-            return softmax_similarity_mean(unit, live)
-        return rkv_redundancy(unit, live)
+            return softmax_similarity_mean(unit, live, threshold=self.partner_threshold)
+        return rkv_redundancy(unit, live, self.partner_threshold)
 
     def label(self, layer) -> torch.Tensor:
         """Write the sentence id of newly appended live slots into ``meta['sent']``; return it."""
