@@ -82,7 +82,7 @@ def test_cli_writes_json_and_png_that_lazy_window_auto_reads(smollm, tmp_path, m
     assert saved["tokens"] == sum(n + n_new - 1 for n in lengths) * 30 * 3
     png = out.with_suffix(".png")
     assert saved["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    policy = make_policy("lazy", budget=W + 32, window="auto", analysis=str(out))
+    policy = make_policy("lazy", budget=2 * W + 32, window="auto", analysis=str(out))  # B >= 2W
     assert (policy.interval, policy.recent) == (W, W)
 
 

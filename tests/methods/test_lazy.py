@@ -263,12 +263,38 @@ def test_schedule_defaults_derive_from_window_and_prefill_is_not_compressed():
     assert make_policy("h2o", budget=100).compress_prefill is True  # other methods keep the engine default
 
 
-def test_window_at_or_above_budget_is_an_error_naming_both():
-    for window in (16, 40):
-        with pytest.raises(ValueError, match=rf"W={window}.*B=16"):
-            make_policy("lazy", budget=16, window=window)
+@pytest.mark.parametrize("W", [1, 4, 7, 25])
+def test_the_interval_is_w_at_every_budget_and_a_budget_below_2w_is_refused(W):
+    """Alg. 1 line 8: eviction at t = kW, the same W as Eq. 5's recent window.  kvsieve caps a
+    default interval at B // 2 (issue 28), which below B = 2W would make it smaller than W (issue
+    35): such budgets are refused with one line naming both fixes, never run with another interval."""
+    for budget in range(2 * W, 2 * W + 40):
+        policy = make_policy("lazy", budget=budget, window=W)
+        assert (policy.interval, policy.recent) == (W, W)
+        assert policy.settings()["interval"] == W == policy.settings()["window"]
+        assert policy.interval <= budget // 2  # the budget stays a bound: peak B + W <= 1.5 B
+    for budget in range(2 * W - 1, 0, -1):
+        with pytest.raises(ValueError) as err:
+            make_policy("lazy", budget=budget, window=W)
+        message = str(err.value)
+        assert "\n" not in message
+        assert f"window W={W} needs budget >= 2W={2 * W}" in message and f"B={budget}" in message
+        assert f"raise --budget to {2 * W}" in message
+        assert (f"set window={budget // 2}" in message) == (budget >= 2)
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_policy("lazy", budget=16, window=0)
+
+
+def test_an_explicit_interval_other_than_w_is_kept_as_a_recorded_deviation():
+    """Policy keeps an explicit interval as given (a documented deviation from Alg. 1's one W);
+    the recent window stays W, and a W at or above the budget is still refused."""
+    policy = make_policy("lazy", budget=100, window=10, interval=4)
+    assert (policy.interval, policy.recent, policy.scorer.window) == (4, 10, 10)
+    assert policy.settings()["interval"] == 4 and policy.settings()["window"] == 10
+    assert make_policy("lazy", budget=30, interval=10).interval == 10  # B < 2W: the interval is the user's
+    with pytest.raises(ValueError, match=r"W=25 must be smaller than the budget B=20"):
+        make_policy("lazy", budget=20, interval=10)
+    assert make_policy("caote:lazy", budget=64).interval == 1  # a wrapper's own schedule (CAOTE: every step)
 
 
 def test_window_auto_reads_the_saved_analysis(tmp_path):

@@ -9,6 +9,8 @@ plus the B - W with the highest importance I_t (Eqs. 2, 5); the cache peaks at B
 
 On the engine: ``interval = W, recent = W, budget = B``, the defaults derived from ``window``
 (Alg. 1 line 8's ``B >= |K|`` is a typo for ``|K| > B``, the engine's ``should_compress``).
+The interval is W at every budget: below B = 2W, where kvsieve's cap of a default interval at
+``budget // 2`` would part it from W, the policy is refused (``LazyEviction.interval_for``).
 The prompt is not compressed at prefill (``compress_prefill`` defaults to False); its tokens
 are born at their own position with MRI 0 and scored like generated ones (App. H.2).  Their
 queries are not tracking steps (``observe_prompt=False``): Alg. 1's step t is a decoding step.
@@ -30,6 +32,10 @@ import torch
 
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
 from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
+
+# W, the observation window: the paper's value for GSM8K (Table 3; best of Table 9 on DS-Llama-8B).
+# Also the recent window of the paper's H2O baseline (App. C; ``h2o`` recent_rule="lazy-window").
+DEFAULT_WINDOW = 25
 
 H2_FORMS = ("text", "printed", "scaled")
 # Names before issue 28, refused with a pointer: "decreasing" (then the default) is kvsieve's own
@@ -110,10 +116,10 @@ class LazyEviction(Scorer):
     window : int | str, default 25
         W, the eviction interval and the protected recent window (Sec. 4).  25 is the paper's
         W for GSM8K (Table 3; best of Table 9, DS-Llama-8B).  App. C sets W to the 80th
-        percentile of MRI: ``"auto"`` reads it from ``analysis``.  Must be below the budget B
-        (checked when the policy is built with its default recent window).  The paper's H2O
-        baseline keeps the same W recent tokens (App. C): ``make_policy("h2o", budget=B,
-        recent=W)``.
+        percentile of MRI: ``"auto"`` reads it from ``analysis``.  The policy's interval and
+        recent window default to W; its budget must be at least 2W (``interval_for``).  The
+        paper's H2O baseline keeps the same W recent tokens (App. C): ``make_policy("h2o",
+        budget=B, recent_rule="lazy-window")`` for the default W, ``recent=W`` for another.
     alpha : float | None, default None
         Activation threshold (Alg. 1 line 2).  None: the Table 10 value for ``family``.
     family : str, default "qwen2"
@@ -151,10 +157,10 @@ class LazyEviction(Scorer):
     observes = True
     default_compress_prefill = False  # App. H.2: the prompt is scored, never cut at prefill
     default_protect_prompt = False  # App. H.2-H.3: "we treat Prefill and Decode tokens equally": prompt tokens compete
-    default_interval = 25  # = window; each instance sets its own in __post_init__
+    default_interval = DEFAULT_WINDOW  # = window; each instance sets its own in __post_init__
     recent_doc = "window"
 
-    window: int | str = 25
+    window: int | str = DEFAULT_WINDOW
     alpha: float | None = None
     family: str = "qwen2"
     head_reduction: str = "mean"
@@ -174,8 +180,35 @@ class LazyEviction(Scorer):
         check_choice(self.h2, H2_FORMS, "lazy h2")
         self.default_interval = self.window  # lagged eviction every W decode steps
 
+    def interval_for(self, budget):
+        """The interval is W, Alg. 1 line 8: "if t == kW ... Update KV pairs according to Eq. 5"
+        (Sec. 4: "KV eviction are triggered at periodic intervals t = kW"); one W is both the
+        interval and the recent window of Eq. 5.
+
+        kvsieve caps every default interval at ``budget // 2`` so that a budget stays a bound
+        (``Policy``: the cache peaks at B + interval <= 1.5 B).  Below B = 2W that cap would
+        part the interval from W, so such a budget is refused, naming the fix, rather than W
+        lowered: W is the hyperparameter the paper tunes per model and task (80% MRI threshold,
+        App. C; Table 9) and also the recent window, so a quietly smaller W would run another
+        method than the settings name, and the paper's regime is B >> W ("When the number of KV
+        pairs exceeds the predefined budget B (B >> W)", Sec. 4); B >= 2W is a weak form of it.
+
+        An explicit ``interval`` never reaches this: ``Policy`` keeps it as given, as for every
+        method, and records it in the settings; ``window`` sets the interval and the recent
+        window together, as Alg. 1 does.
+        """
+        # deviation: an explicit interval != W is allowed, not refused: it is how a wrapper sets its
+        # own schedule (caote:lazy evicts every step) and how a run varies the schedule alone
+        if budget is not None and budget < 2 * self.window:
+            lower = f" or set window={budget // 2}" if budget >= 2 else ""
+            raise ValueError(f"lazy: window W={self.window} needs budget >= 2W={2 * self.window} so the interval "
+                             f"stays W (Alg. 1 line 8) and the cache peaks at B + W <= 1.5 B; got budget B={budget}: "
+                             f"raise --budget to {2 * self.window}{lower}")
+        return self.window
+
     def default_recent(self, budget):
-        # Policy asks this with the budget: the one moment the scorer sees B.
+        # Policy asks this with the budget when no recent window is set.  With the default
+        # interval, interval_for has already required B >= 2W; this guards an explicit interval.
         if self.window >= budget:
             raise ValueError(f"lazy window W={self.window} must be smaller than the budget B={budget}: "
                              f"the cache keeps the W newest tokens plus the top B - W (Eq. 5) and peaks at "
