@@ -12,8 +12,10 @@ On the engine: ``interval = W, recent = W, budget = B``, the defaults derived fr
 The interval is W at every budget: below B = 2W, where kvsieve's cap of a default interval at
 ``budget // 2`` would part it from W, the policy is refused (``LazyEviction.interval_for``).
 The prompt is not compressed at prefill (``compress_prefill`` defaults to False); its tokens
-are born at their own position with MRI 0 and scored like generated ones (App. H.2).  Their
-queries are not tracking steps (``observe_prompt=False``): Alg. 1's step t is a decoding step.
+are scored like generated ones (App. H.2).  Their queries are not tracking steps
+(``observe_prompt=False``): Alg. 1's step t is a decoding step.  So the prompt enters the cache
+in one step, the prefill (decoding step 0), and every prompt token is born there with MRI 0
+(``prompt_birth="prefill"``), as a generated token is born at the step that appends it.
 
 Baselines of the paper's comparison.  Its H2O keeps W recent tokens, W being LazyEviction's
 window ("the number of recent tokens in H2O is equal to LazyEviction's window size", App. C),
@@ -31,13 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
-from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
+from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, prefill_timestamps, resolve_alpha
 
 # W, the observation window: the paper's value for GSM8K (Table 3; best of Table 9 on DS-Llama-8B).
 # Also the recent window of the paper's H2O baseline (App. C; ``h2o`` recent_rule="lazy-window").
 DEFAULT_WINDOW = 25
 
 H2_FORMS = ("text", "printed", "scaled")
+PROMPT_BIRTHS = ("prefill", "position")
 # Names before issue 28, refused with a pointer: "decreasing" (then the default) is kvsieve's own
 # form, not a reading of the paper; "steep" was the smallest change the text asks for, now "text".
 _RENAMED_H2 = {"decreasing": "scaled", "steep": "text"}
@@ -139,9 +142,30 @@ class LazyEviction(Scorer):
         lines 1-6 at each step t of its input, a decoding step ("its latest timestamp is
         updated to the value of current decoding step t ... during the whole decoding phase",
         Sec. 4, Recurrence Interval Tracking; App. B; App. E.2 charges the tracking to decode
-        steps), so prompt tokens keep TS = their position and MRI 0 until decoding starts (the
-        engine's multi-query calls are not observed; a prefill chunk of one token would be).
+        steps), so prompt tokens keep their birth TS (``prompt_birth``) and MRI 0 until decoding
+        starts (the engine's multi-query calls are not observed; a prefill chunk of one token
+        would be).
         True: every prompt query is a step as well (kvsieve's default before issue 28).
+    prompt_birth : str, default "prefill"
+        The TS a prompt token starts decoding with when the prompt's queries are not steps
+        (``observe_prompt=False``), so the MRI its first activation records; the paper does not
+        say.  "prefill": every prompt token is born at the prefill, decoding step 0 (on
+        kvsieve's clock the prompt's last position): a first activation at decoding step t
+        records MRI t.  It keeps TS on Alg. 1's clock, which only has decoding steps ("its
+        latest timestamp is updated to the value of current decoding step t ... during the
+        whole decoding phase, LazyEviction dynamically maintains a timestamp vector TS_t for
+        all retained tokens", Sec. 4; Alg. 1 lines 1-6 at each step t), and treats the prompt
+        as Sec. 4 treats generated tokens, born at the step that appends them ("For newly
+        generated tokens, MRI is initialized to 0"; MRI 0 means "never been activated since
+        its generation"), the prefill being the step that appends the prompt.  "position":
+        born at its own position, as if each prompt query were a step though none is tracked
+        (kvsieve before issue 35): the first activation at step t records t + (prompt length
+        - 1 - position), hundreds of steps for an early token of a long prompt, which keeps
+        H1 = 2 sigma(-(t - TS)/MRI) near 1 for as long.  Not offered: letting a prompt token's
+        first decoding activation set TS without recording a gap; it would time prompt tokens
+        from their first activation but generated ones from their birth, and score a prompt
+        token activated once like one never activated (MRI 0: H1 = 0 once idle).  With
+        ``observe_prompt=True`` both values agree: each prompt token is born at its own step.
     analysis : str, default "kvsieve-mri.json"
         File written by ``kvsieve analyze mri``, read when ``window="auto"``.
     """
@@ -152,7 +176,8 @@ class LazyEviction(Scorer):
     source = ("LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / App. C "
               "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 falling "
               "with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
-              "timestamps over decoding steps only (Sec. 4, Alg. 1)")
+              "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
+              "interval = W, budget >= 2W")
     meta_init = {"ts": TS_UNSET, "mri": 0.0}  # new tokens: born now (TS = own position), MRI 0 (Sec. 4)
     observes = True
     default_compress_prefill = False  # App. H.2: the prompt is scored, never cut at prefill
@@ -166,6 +191,7 @@ class LazyEviction(Scorer):
     head_reduction: str = "mean"
     h2: str = "text"
     observe_prompt: bool = False
+    prompt_birth: str = "prefill"
     analysis: str = "kvsieve-mri.json"
 
     def __post_init__(self):
@@ -178,6 +204,7 @@ class LazyEviction(Scorer):
         if self.h2 in _RENAMED_H2:
             raise ValueError(f"lazy h2 must be one of {list(H2_FORMS)}{_renamed_hint(self.h2)}")
         check_choice(self.h2, H2_FORMS, "lazy h2")
+        check_choice(self.prompt_birth, PROMPT_BIRTHS, "lazy prompt_birth")
         self.default_interval = self.window  # lagged eviction every W decode steps
 
     def interval_for(self, budget):
@@ -217,8 +244,9 @@ class LazyEviction(Scorer):
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap]; T > 1 only for prefill chunks
-        if probs.shape[3] > 1 and not self.observe_prompt:
-            layer.meta["ts"].copy_(born_timestamps(layer))
+        if probs.shape[3] > 1 and not self.observe_prompt:  # a prefill chunk: no step of Alg. 1, only births
+            born = prefill_timestamps(layer, query_pos) if self.prompt_birth == "prefill" else born_timestamps(layer)
+            layer.meta["ts"].copy_(born)
             return
         observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=True)
 
