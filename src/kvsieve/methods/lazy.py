@@ -19,10 +19,11 @@ in one step, the prefill (decoding step 0), and every prompt token is born there
 
 Baselines of the paper's comparison.  Its H2O keeps W recent tokens, W being LazyEviction's
 window ("the number of recent tokens in H2O is equal to LazyEviction's window size", App. C),
-and evicts every step: ``make_policy("h2o", budget=B, recent=W)`` (``h2o``'s own default,
-``recent = B // 2``, is not that baseline).  Table 3's "+ window" rows use the observation-
-window schedule, evicting every W steps with the same window: ``make_policy("h2o", budget=B,
-interval=W, recent=W)``, likewise for ``tova`` and ``raas``.
+and evicts every step: ``make_policy("h2o", budget=B, recent_rule="lazy-window")`` for the
+default W (``recent=W`` for another; ``h2o``'s own default, ``recent = B // 2``, is not that
+baseline).  Table 3's "+ window" rows use the observation-window schedule, evicting every W
+steps with the same window: ``make_policy("h2o", budget=B, interval=W, recent=W)``, likewise
+for ``tova`` and ``raas``.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class LazyEviction(Scorer):
 
     summary = "lagged eviction every W steps: W recent + top B-W by MRI-centric importance"
     slot_order_free = True  # per-token scores: the engine may evict in place
-    interval_doc = "window (W)"
+    interval_doc = "window (W); needs budget >= 2W"
     source = ("LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / App. C "
               "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 falling "
               "with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
