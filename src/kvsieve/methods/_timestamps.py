@@ -57,9 +57,9 @@ def born_timestamps(layer) -> torch.Tensor:
 
 
 def prefill_timestamps(layer, query_pos: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, cap] TS with every live token born at this prefill call, a single step named by
-    its last query (query_pos [B, T], DEAD_POS on padding): decoding step 0 after the prompt's
-    last chunk, whose last query is the prompt's last position."""
+    """[B, H_kv, cap] TS with every live token of a row born at this prefill call, taken as one
+    step named by the row's last query (query_pos [B, T], DEAD_POS on padding).  After the
+    prompt's last chunk that is the prompt's last position: decoding step 0."""
     ts = layer.meta["ts"]
     step = torch.where(query_pos != DEAD_POS, query_pos, -1).amax(dim=1)  # [B]; -1: padding only
     return torch.where(layer.live(), step.to(ts.dtype)[:, None, None], ts)
