@@ -31,6 +31,39 @@ def test_recommended_window_is_the_smallest_w_covering_80_percent_of_recurring_t
         summarize(np.zeros(5, dtype=int))
 
 
+def test_the_recorder_tracks_as_lazy_does_over_decoding_steps_only():
+    """The analysis that chooses W sees the intervals ``lazy`` will track (issue 35): the prompt's
+    queries are no steps and the prompt is born at the prefill, then decoding steps update TS/MRI."""
+    import torch
+
+    from kvsieve.analysis.mri import MRIRecorder
+    from kvsieve.cache import SieveCache
+    from kvsieve.methods.lazy import LazyEviction
+
+    g = torch.Generator().manual_seed(0)
+    n, prompt = 9, 5
+    attention = torch.rand(n, n, generator=g).tril()  # every query attends every earlier token >= alpha often
+    states = []
+    for scorer in (MRIRecorder(alpha=0.2), LazyEviction(alpha=0.2)):
+        cache = SieveCache(1, meta_init=scorer.meta_init)
+        cache.begin_step(torch.arange(prompt)[None])
+        cache.update(torch.randn(1, 1, prompt, 4), torch.randn(1, 1, prompt, 4), 0)
+        layer = cache.layers[0]
+        probs = torch.zeros(1, 1, 1, prompt, layer.capacity)
+        probs[0, 0, 0, :, :prompt] = attention[:prompt, :prompt]
+        scorer.observe(layer, probs, torch.arange(prompt)[None])
+        assert layer.meta["ts"][0, 0, :prompt].tolist() == [prompt - 1] * prompt  # born at the prefill
+        assert layer.meta["mri"][0, 0, :prompt].tolist() == [0] * prompt  # prompt queries are no steps
+        for q in range(prompt, n):
+            cache.begin_step(torch.tensor([[q]]))
+            cache.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), 0)
+            probs = torch.zeros(1, 1, 1, 1, layer.capacity)
+            probs[0, 0, 0, 0, : q + 1] = attention[q, : q + 1]
+            scorer.observe(layer, probs, torch.tensor([[q]]))
+        states.append((layer.meta["ts"][0, 0, :n].tolist(), layer.meta["mri"][0, 0, :n].tolist()))
+    assert states[0] == states[1] and max(states[0][1]) > 0
+
+
 def test_load_prompts_samples_seeded_rows_of_gsm8k_or_math_files(tmp_path):
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in QUESTIONS))
@@ -82,7 +115,7 @@ def test_cli_writes_json_and_png_that_lazy_window_auto_reads(smollm, tmp_path, m
     assert saved["tokens"] == sum(n + n_new - 1 for n in lengths) * 30 * 3
     png = out.with_suffix(".png")
     assert saved["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    policy = make_policy("lazy", budget=W + 32, window="auto", analysis=str(out))
+    policy = make_policy("lazy", budget=2 * W + 32, window="auto", analysis=str(out))  # B >= 2W
     assert (policy.interval, policy.recent) == (W, W)
 
 

@@ -23,7 +23,7 @@ from kvsieve.allocators import AdaKV, Pyramid, Uniform, make_allocator
 from kvsieve.attention import StepState, sieve_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.policy import SCORERS
-from kvsieve.methods import make_policy, method_names
+from kvsieve.methods import describe_methods, make_policy, method_names
 from kvsieve.methods.h2o import H2O
 from kvsieve.methods.keydiff import KeyDiff
 from kvsieve.methods.knorm import Knorm
@@ -250,6 +250,28 @@ def test_h2o_score_is_total_attention_received_across_steps_and_compaction():
     assert_live_scores(built, policy.scorer.score(built.layer, built.seen), h2o_reference(built))
 
 
+def test_h2o_recent_rule_half_or_lazyevictions_window_recorded_and_overridable():
+    """H2O Sec. 5: recent = budget // 2 (the default rule, "half").  LazyEviction App. C: "the
+    number of recent tokens in H2O is equal to LazyEviction's window size", W = 25 (its Table 3):
+    rule "lazy-window".  An explicit recent wins over either; the rule is in the settings and in
+    ``kvsieve methods``."""
+    paper_w = 25  # LazyEviction Table 3 / Table 9 (GSM8K)
+    for budget in (50, 64, 128, 4096):
+        half = make_policy("h2o", budget=budget)
+        lazy_window = make_policy("h2o", budget=budget, recent_rule="lazy-window")
+        assert (half.recent, half.settings()["recent_rule"]) == (budget // 2, "half")
+        assert (lazy_window.recent, lazy_window.settings()["recent_rule"]) == (paper_w, "lazy-window")
+        assert lazy_window.recent == make_policy("lazy", budget=budget).recent  # lazy's own W
+        assert lazy_window.interval == 1  # the paper's H2O evicts every step; Table 3's "+ window" sets interval
+    assert make_policy("h2o", budget=100, recent_rule="lazy-window", recent=8).recent == 8
+    with pytest.raises(ValueError, match=r"h2o recent_rule must be one of \['half', 'lazy-window'\]"):
+        make_policy("h2o", budget=100, recent_rule="window")
+    with pytest.raises(ValueError, match="budget 16 is smaller than the protected tokens: sinks 0 \\+ recent 25"):
+        make_policy("h2o", budget=16, recent_rule="lazy-window")
+    row = {r["name"]: r for r in describe_methods()}["h2o"]
+    assert row["params"]["recent_rule"] == "half" and "lazy-window" in row["params"]["recent"]
+
+
 def test_h2o_score_ignores_padding_queries_of_a_left_padded_row():
     policy = make_policy("h2o", budget=6)
     built = build(1, pad=3, meta_init=policy.scorer.meta_init, observer=policy.observer())
@@ -451,7 +473,7 @@ def test_live_scores_do_not_depend_on_trailing_dead_slots(name):
 @pytest.mark.parametrize("name", BUDGETED)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_order(name, seed):
-    kw = {"window": 4} if name in ("snapkv", "rkv") else {}
+    kw = {"window": 4} if name in ("snapkv", "rkv") else {"window": 3} if name == "lazy" else {}  # lazy: B >= 2W
     policy = make_policy(name, budget=6, sinks=2, recent=3, **kw)
     # Row 0 head 1 ends up with fewer live tokens (2 + 3 decoded) than the budget; row 1 is left padded.
     built = build(seed, window=policy.scorer.query_window(), meta_init=policy.scorer.meta_init,

@@ -86,6 +86,11 @@ class Scorer:
         """Recent tokens protected from eviction when the user sets none."""
         return 0
 
+    def interval_for(self, budget: int | None) -> int:
+        """Decode steps between compressions when the user sets none: ``default_interval``,
+        capped at ``budget // 2`` for a budgeted scorer (``capped_interval``, see ``Policy``)."""
+        return capped_interval(self.default_interval, budget if self.uses_budget else None)
+
     def query_window(self) -> int:
         """How many recent post-RoPE queries per layer the engine must keep for ``score``."""
         return 0
@@ -138,6 +143,12 @@ class Scorer:
     def score(self, layer: SieveLayer, seen_tokens: torch.Tensor) -> torch.Tensor:
         """[B, H_kv, capacity] importance of each slot (dead slots may hold anything)."""
         raise NotImplementedError
+
+
+def capped_interval(interval: int, budget: int | None) -> int:
+    """A default interval capped at ``budget // 2`` (at least 1), so that a budget stays a bound:
+    the cache peaks at budget + interval <= 1.5 x budget (issue 28).  No budget: ``interval``."""
+    return interval if budget is None else max(1, min(interval, int(budget) // 2))
 
 
 HEAD_REDUCTIONS = ("mean", "max", "sum")
@@ -196,11 +207,12 @@ class Policy:
         evicted; ``None`` takes the scorer's default.
     interval : int | None
         Compress every ``interval`` decode steps (the cache peaks at budget + interval).
-        ``None`` takes the scorer's default, capped at ``budget // 2`` for a budgeted scorer so
-        that a budget stays a bound (the cache peaks at 1.5 x budget at most): AMS's and
-        ``expected``'s 512 (AMS Table 15) are set for budgets of 2k tokens and up, and at budget
-        128 in a 512-token run they would never compress (issue 28).  An explicit interval is
-        kept as given.
+        ``None`` takes the scorer's default (``Scorer.interval_for``), capped at ``budget // 2``
+        for a budgeted scorer so that a budget stays a bound (the cache peaks at 1.5 x budget at
+        most): AMS's and ``expected``'s 512 (AMS Table 15) are set for budgets of 2k tokens and
+        up, and at budget 128 in a 512-token run they would never compress (issue 28).  ``lazy``,
+        whose interval is its window W (Alg. 1), refuses a budget below 2W instead of capping.
+        An explicit interval is kept as given.
     compress_prefill : bool | None
         Compress the prompt right after prefill when it exceeds the budget; ``None`` takes
         the scorer's default (``default_compress_prefill``).
@@ -246,11 +258,10 @@ class Policy:
         if not self.scorer.uses_budget and not self.scorer.fits_budget and self.budget is not None:
             raise ValueError(f"method {self.scorer.name!r} sets its own cache size; drop --budget")
         self.sinks = self.scorer.default_sinks if self.sinks is None else self.sinks
+        # the interval before the recent window: a scorer that refuses a budget for its default
+        # interval (lazy: B < 2W) says so before any narrower check of its recent window
+        self.interval = self.scorer.interval_for(self.budget) if self.interval is None else self.interval
         self.recent = self.scorer.default_recent(self.budget) if self.recent is None else self.recent
-        if self.interval is None:
-            self.interval = self.scorer.default_interval
-            if self.scorer.uses_budget and self.budget is not None:
-                self.interval = max(1, min(self.interval, int(self.budget) // 2))
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks ({self.sinks}) and recent ({self.recent}) must be >= 0")
         if self.interval < 1:

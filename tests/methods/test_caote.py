@@ -325,7 +325,7 @@ def test_settings_report_the_base_methods_settings():
     assert narrow["base"] == {"window": 16, "kernel": 3, "pooling": "avg", "head_reduction": "mean"}
     assert narrow != default and json.loads(json.dumps(narrow)) == narrow
     assert make_policy("fastcaote:tova", budget=64, heads="group").settings()["base"] == {"heads": "group"}
-    assert make_policy("ams:fastcaote:h2o", budget=64).settings()["base"] == {"base": {"head_reduction": "sum"}}
+    assert make_policy("ams:fastcaote:h2o", budget=64).settings()["base"] == {"base": {"head_reduction": "sum", "recent_rule": "half"}}
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['base'\] for 'tova'"):
         make_policy("caote:tova", budget=64, base={"heads": "group"})  # a report, not a setting
     with pytest.raises(ValueError, match="cannot be set"):

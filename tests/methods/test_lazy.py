@@ -60,7 +60,7 @@ def test_ts_then_mri_in_algorithm_order_with_mri_from_the_previous_ts():
     cache = prefill(scorer.meta_init, 4)
     layer = cache.layers[0]
     scorer.observe(layer, torch.zeros(1, 1, 1, 4, layer.capacity), torch.arange(4)[None])
-    assert layer.meta["ts"][0, 0, :4].tolist() == [0, 1, 2, 3]  # born at their own position
+    assert layer.meta["ts"][0, 0, :4].tolist() == [3, 3, 3, 3]  # born at the prefill (step 0: position 3)
     assert layer.meta["mri"][0, 0, :4].tolist() == [0, 0, 0, 0]
 
     def step(p, values):
@@ -68,25 +68,26 @@ def test_ts_then_mri_in_algorithm_order_with_mri_from_the_previous_ts():
         scorer.observe(layer, row(layer, values), torch.tensor([[p]]))
 
     step(4, {0: 0.5, 4: 0.5})
-    assert meta_at(layer, "ts", 0) == 4 and meta_at(layer, "mri", 0) == 4  # 4 - previous TS 0, not 4 - 4
+    assert meta_at(layer, "ts", 0) == 4 and meta_at(layer, "mri", 0) == 1  # 4 - previous TS 3, not 4 - 4
     assert meta_at(layer, "ts", 4) == 4 and meta_at(layer, "mri", 4) == 0  # attended at birth: gap 0
     step(5, {1: 0.1, 2: 0.0999})  # alpha itself counts (A_t >= alpha), just below does not
-    assert (meta_at(layer, "ts", 1), meta_at(layer, "mri", 1)) == (5, 4)
-    assert (meta_at(layer, "ts", 2), meta_at(layer, "mri", 2)) == (2, 0)
+    assert (meta_at(layer, "ts", 1), meta_at(layer, "mri", 1)) == (5, 2)
+    assert (meta_at(layer, "ts", 2), meta_at(layer, "mri", 2)) == (3, 0)
     step(6, {0: 1.0})
-    assert (meta_at(layer, "ts", 0), meta_at(layer, "mri", 0)) == (6, 4)  # max(4, 6 - 4)
+    assert (meta_at(layer, "ts", 0), meta_at(layer, "mri", 0)) == (6, 2)  # max(1, 6 - 4)
     for p in range(7, 13):
         step(p, {})
     step(13, {0: 1.0})
-    assert (meta_at(layer, "ts", 0), meta_at(layer, "mri", 0)) == (13, 7)  # max(4, 13 - 6)
+    assert (meta_at(layer, "ts", 0), meta_at(layer, "mri", 0)) == (13, 7)  # max(2, 13 - 6)
     assert (meta_at(layer, "ts", 3), meta_at(layer, "mri", 3)) == (3, 0)  # never attended
 
 
-def algorithm1_reference(P: torch.Tensor, alpha: float, first_step: int = 0):
+def algorithm1_reference(P: torch.Tensor, alpha: float, first_step: int = 0, prompt_birth: str = "prefill"):
     """Plain loops: P[q, k] attention of query q on token k; queries from ``first_step`` on are
-    steps, each one step; every token starts at TS = its position, MRI 0."""
+    steps, each one step; every token starts with MRI 0 and TS = its position, except the tokens
+    before ``first_step`` (a prompt whose queries are no steps) with "prefill": TS = first_step - 1."""
     n = P.shape[0]
-    ts, mri = list(range(n)), [0] * n
+    ts, mri = [k if k >= first_step or prompt_birth == "position" else first_step - 1 for k in range(n)], [0] * n
     for q in range(first_step, n):
         old = list(ts)
         for k in range(q + 1):
@@ -132,7 +133,7 @@ def test_by_default_only_decoding_steps_update_timestamps_as_in_algorithm_1():
     probs = torch.zeros(1, 1, 1, prompt, layer.capacity)
     probs[0, 0, 0, :, :prompt] = P[:prompt, :prompt]
     scorer.observe(layer, probs, torch.arange(prompt)[None])
-    assert layer.meta["ts"][0, 0, :prompt].tolist() == list(range(prompt))  # born, never activated
+    assert layer.meta["ts"][0, 0, :prompt].tolist() == [prompt - 1] * prompt  # born at the prefill
     assert layer.meta["mri"][0, 0, :prompt].tolist() == [0] * prompt
     for q in range(prompt, n):
         append(cache, q)
@@ -141,6 +142,83 @@ def test_by_default_only_decoding_steps_update_timestamps_as_in_algorithm_1():
     assert layer.meta["ts"][0, 0, :n].tolist() == ts
     assert layer.meta["mri"][0, 0, :n].tolist() == mri
     assert (ts, mri) != algorithm1_reference(P, alpha)  # observing the prompt would differ here
+
+
+def alg1_on_decoding_steps(prompt_len: int, steps: list[dict], alpha: float, prompt_birth: str):
+    """Alg. 1 lines 1-6 with Eq. 1 on the paper's clock, written from the text alone: decoding step
+    t = 1, 2, ... attends with ``steps[t - 1]`` ({token index: attention}); token prompt_len + t - 1
+    is generated and appended at step t (TS = t, MRI 0, Sec. 4); a prompt token i is born at the
+    prefill, step 0 ("prefill"), or at step i - (prompt_len - 1), its position on this clock
+    ("position").  Returns {token: TS} and {token: MRI} after the last step."""
+    ts = {i: 0 if prompt_birth == "prefill" else i - (prompt_len - 1) for i in range(prompt_len)}
+    mri = dict.fromkeys(ts, 0)
+    for t, attention in enumerate(steps, start=1):
+        ts[prompt_len + t - 1], mri[prompt_len + t - 1] = t, 0  # the token this step appends
+        previous = dict(ts)
+        for i in ts:  # lines 1-5
+            if attention.get(i, 0.0) >= alpha:
+                ts[i] = t
+        for i in ts:  # line 6, Eq. (1)
+            mri[i] = max(mri[i], ts[i] - previous[i])
+    return ts, mri
+
+
+# Per row of a left-padded batch: prompt length and the attention of each decoding step
+# (token index: attention); alpha 0.1.  Prompt token 0 of row 0 is first attended at step 1, as
+# an early prompt token often is, and token 2 only at step 2; row 1's prompt is shorter.
+DECODING = {0: (6, [{0: 0.5, 6: 0.3}, {2: 0.2}, {}, {0: 0.4, 6: 0.2}, {5: 0.1}, {1: 0.05}, {0: 0.3, 8: 0.9}]),
+            1: (4, [{3: 0.3}, {0: 0.2, 4: 0.2}, {}, {}, {0: 0.6, 1: 0.1}, {4: 0.5}, {}])}
+
+
+@pytest.mark.parametrize("prompt_birth", ["prefill", "position"])
+def test_prompt_tokens_first_attended_while_decoding_match_a_decoding_step_simulation(prompt_birth):
+    """Issue 35: with the prompt's queries no steps, a prompt token must enter decoding with a TS
+    on Alg. 1's clock.  By default ("prefill") it is born at step 0, so its first activation at
+    step t records MRI t, like a generated token's (Sec. 4: MRI 0 = "never been activated since
+    its generation"); "position" keeps kvsieve's former birth at its own position.  A prompt read
+    in two chunks, two rows of different prompt lengths, against the plain simulation above."""
+    alpha, n_steps = 0.1, 7
+    scorer = LazyEviction(alpha=alpha, prompt_birth=prompt_birth)
+    lengths = [DECODING[r][0] for r in (0, 1)]
+    width = max(lengths)
+    prompt_pos = torch.tensor([[p - (width - n) if p >= width - n else DEAD_POS for p in range(width)] for n in lengths])
+    cache = SieveCache(1, meta_init=scorer.meta_init)
+    layer = None
+    for chunk in (slice(0, 4), slice(4, width)):  # prefill chunks: their attention is no step
+        qpos = prompt_pos[:, chunk]
+        cache.begin_step(qpos)
+        cache.update(torch.randn(2, 1, qpos.shape[1], 4), torch.randn(2, 1, qpos.shape[1], 4), 0)
+        layer = cache.layers[0]
+        scorer.observe(layer, torch.rand(2, 1, 1, qpos.shape[1], layer.capacity) * (qpos != DEAD_POS)[:, None, None, :, None],
+                       qpos)
+    for t in range(1, n_steps + 1):
+        qpos = torch.tensor([[n + t - 1] for n in lengths])
+        cache.begin_step(qpos)
+        cache.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4), 0)
+        probs = torch.zeros(2, 1, 1, 1, layer.capacity)
+        for r in (0, 1):
+            for i, a in DECODING[r][1][t - 1].items():
+                probs[r, 0, 0, 0, layer.meta["pos"][r, 0] == i] = a
+        scorer.observe(layer, probs, qpos)
+    for r in (0, 1):
+        n, steps = DECODING[r]
+        ts, mri = alg1_on_decoding_steps(n, steps, alpha, prompt_birth)
+        pos = layer.meta["pos"][r, 0]
+        got_ts = {int(p): float(x) - (n - 1) for p, x in zip(pos, layer.meta["ts"][r, 0]) if p != DEAD_POS}
+        got_mri = {int(p): float(x) for p, x in zip(pos, layer.meta["mri"][r, 0]) if p != DEAD_POS}
+        assert got_ts == ts and got_mri == mri  # TS on the engine's clock: decoding step t is position n + t - 1
+    # the two readings differ on prompt tokens first attended while decoding, and only there
+    ts, new = alg1_on_decoding_steps(6, DECODING[0][1], alpha, "prefill")
+    _, old = alg1_on_decoding_steps(6, DECODING[0][1], alpha, "position")
+    assert (new[0], new[2], old[0], old[2]) == (3, 2, 6, 5)
+    assert {i for i in new if new[i] != old[i]} == {0, 2}  # the last prompt token (5) is born at step 0 in both
+
+
+def test_prompt_birth_is_a_checked_setting_recorded_in_the_policy():
+    assert LazyEviction().prompt_birth == "prefill"
+    assert make_policy("lazy", budget=64, prompt_birth="position").settings()["prompt_birth"] == "position"
+    with pytest.raises(ValueError, match=r"lazy prompt_birth must be one of \['prefill', 'position'\]"):
+        LazyEviction(prompt_birth="first-activation")
 
 
 @pytest.mark.parametrize("how,alpha,activated", [("mean", 5e-4, True), ("mean", 6e-4, False),
@@ -263,12 +341,38 @@ def test_schedule_defaults_derive_from_window_and_prefill_is_not_compressed():
     assert make_policy("h2o", budget=100).compress_prefill is True  # other methods keep the engine default
 
 
-def test_window_at_or_above_budget_is_an_error_naming_both():
-    for window in (16, 40):
-        with pytest.raises(ValueError, match=rf"W={window}.*B=16"):
-            make_policy("lazy", budget=16, window=window)
+@pytest.mark.parametrize("W", [1, 4, 7, 25])
+def test_the_interval_is_w_at_every_budget_and_a_budget_below_2w_is_refused(W):
+    """Alg. 1 line 8: eviction at t = kW, the same W as Eq. 5's recent window.  kvsieve caps a
+    default interval at B // 2 (issue 28), which below B = 2W would make it smaller than W (issue
+    35): such budgets are refused with one line naming both fixes, never run with another interval."""
+    for budget in range(2 * W, 2 * W + 40):
+        policy = make_policy("lazy", budget=budget, window=W)
+        assert (policy.interval, policy.recent) == (W, W)
+        assert policy.settings()["interval"] == W == policy.settings()["window"]
+        assert policy.interval <= budget // 2  # the budget stays a bound: peak B + W <= 1.5 B
+    for budget in range(2 * W - 1, 0, -1):
+        with pytest.raises(ValueError) as err:
+            make_policy("lazy", budget=budget, window=W)
+        message = str(err.value)
+        assert "\n" not in message
+        assert f"window W={W} needs budget >= 2W={2 * W}" in message and f"B={budget}" in message
+        assert f"raise --budget to {2 * W}" in message
+        assert (f"set window={budget // 2}" in message) == (budget >= 2)
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_policy("lazy", budget=16, window=0)
+
+
+def test_an_explicit_interval_other_than_w_is_kept_as_a_recorded_deviation():
+    """Policy keeps an explicit interval as given (a documented deviation from Alg. 1's one W);
+    the recent window stays W, and a W at or above the budget is still refused."""
+    policy = make_policy("lazy", budget=100, window=10, interval=4)
+    assert (policy.interval, policy.recent, policy.scorer.window) == (4, 10, 10)
+    assert policy.settings()["interval"] == 4 and policy.settings()["window"] == 10
+    assert make_policy("lazy", budget=30, interval=10).interval == 10  # B < 2W: the interval is the user's
+    with pytest.raises(ValueError, match=r"W=25 must be smaller than the budget B=20"):
+        make_policy("lazy", budget=20, interval=10)
+    assert make_policy("caote:lazy", budget=64).interval == 1  # a wrapper's own schedule (CAOTE: every step)
 
 
 def test_window_auto_reads_the_saved_analysis(tmp_path):

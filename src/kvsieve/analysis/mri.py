@@ -3,9 +3,11 @@
 LazyEviction sets its observation window W to the MRI below which 80% of tokens fall (Sec. 3
 Finding 3, Sec. 4 "choice of W", App. C), measured offline with a full cache on about 1% of
 a data set (App. G.3, Table 11: 20 GSM8K, 5 MATH-500 or 2 AIME problems).  This module runs
-that generation (greedy, nothing evicted, optionally batched), tracks TS and MRI exactly as
-``lazy`` does (same alpha, GQA reduction and clock: ``kvsieve.methods._timestamps``) and reads
-the MRI of every (layer, kv head, token) at the end of each sample.
+that generation (greedy, nothing evicted, optionally batched), tracks TS and MRI with ``lazy``'s
+own ``observe`` at its defaults (same alpha, GQA reduction and clock: decoding steps only, the
+prompt born at the prefill, ``kvsieve.methods._timestamps``), so W is measured on the intervals
+``lazy`` will see, and reads the MRI of every (layer, kv head, token) at the end of each sample.
+(Before issue 35 the recorder counted every prompt query as a step, unlike ``lazy`` since issue 28.)
 
 The distribution and W count the tokens re-activated at least once after their birth step
 (MRI >= 1); tokens never re-activated (MRI 0) have no recurrence interval and are reported
@@ -23,7 +25,8 @@ import numpy as np
 import torch
 
 from ..generate import GenerateConfig, generate
-from ..methods._timestamps import TS_UNSET, observe_timestamps, resolve_alpha
+from ..methods._timestamps import resolve_alpha
+from ..methods.lazy import LazyEviction
 from ..policy import Policy, Scorer
 
 DEFAULT_DATASET = Path("/work/shared/data/gsm8k_train.jsonl")
@@ -33,16 +36,21 @@ PERCENTILE = 80.0  # App. C: W = the 80% MRI threshold
 
 @dataclass
 class MRIRecorder(Scorer):
-    """Tracks TS/MRI like ``lazy`` and never evicts.  Keeps the layers it observed so their
-    final state can be read after ``generate`` returns (the cache itself is not returned)."""
+    """Tracks TS/MRI by ``lazy``'s own ``observe`` (its defaults, with this ``alpha`` and
+    ``head_reduction``) and never evicts.  Keeps the layers it observed so their final state can
+    be read after ``generate`` returns (the cache itself is not returned)."""
 
-    meta_init = {"ts": TS_UNSET, "mri": 0.0}
+    meta_init = LazyEviction.meta_init
     observes = True
     uses_budget = False  # no budget: nothing is ever compressed
     alpha: float = 1e-4
     head_reduction: str = "mean"
     layers: dict = field(default_factory=dict, init=False, repr=False)
     finished: list = field(default_factory=list, init=False, repr=False)  # MRIs of rows that left
+    tracker: LazyEviction = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.tracker = LazyEviction(alpha=self.alpha, head_reduction=self.head_reduction)
 
     def before_select_rows(self, keep):
         """Rows that finished leave the cache: keep their final MRIs first."""
@@ -63,7 +71,7 @@ class MRIRecorder(Scorer):
 
     def observe(self, layer, probs, query_pos):
         self.layers[id(layer)] = layer
-        observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=True)
+        self.tracker.observe(layer, probs, query_pos)
 
 
 def load_prompts(path, samples: int, seed: int = 0) -> list[str]:

@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 
 from ..allocators import ALLOCATORS, make_allocator
-from ..policy import SCORERS, Policy
+from ..policy import SCORERS, Policy, capped_interval
 from ._wrapper import BASE_SETTINGS
 
 # Wrapper methods hold another method's scorer and are named "<prefix>:<base>" (``caote:tova``).
@@ -104,7 +104,7 @@ def _make_wrapped(name: str, budget, allocator: str, **settings) -> Policy:
     defaults = dict(getattr(cls, "schedule_defaults", {}))
     if "interval" in defaults and budget is not None and "interval" not in settings:
         # the wrapper's default interval obeys the same cap as a scorer's (Policy: budget // 2)
-        defaults["interval"] = max(1, min(defaults["interval"], int(budget) // 2))
+        defaults["interval"] = capped_interval(defaults["interval"], budget)
     policy = make_policy(base, budget, allocator, **{**defaults, **settings})
     return dataclasses.replace(policy, scorer=cls(policy.scorer, **wrapper_kw))
 

@@ -6,11 +6,15 @@ RaaS), and ``meta["mri"]`` (LazyEviction only) is MRI, the longest gap between t
 (Eq. 1).  Both are per-token metadata, compacted with K/V by the engine's one gather.
 
 Clock: a step is named by its query's position.  Decode step t is the query at position
-``prompt_len + t - 1``; differences ``t - TS`` (all the method uses) are the paper's, and rows
-of a batch with different prompt lengths need no offset.  A token is born at its own
-position: new tokens enter with ``TS_UNSET`` and the first observe (or score) sets TS to the
-token's position, so a token attended at its birth step gets a gap of 0 and MRI stays 0
-("never activated since its generation", Sec. 4).
+``prompt_len + t - 1`` (step 0, the prefill, ends with the prompt's last query); differences
+``t - TS`` (all the method uses) are the paper's, and rows of a batch with different prompt
+lengths need no offset.  A token is born at the step that appends it: new tokens enter with
+``TS_UNSET`` and the first observe (or score) sets TS to the token's own position
+(``born_timestamps``), so a token attended at its birth step gets a gap of 0 and MRI stays 0
+("never activated since its generation", Sec. 4).  When the prompt's queries are not steps
+(``lazy``'s default), the prompt is appended by one step, the prefill: ``prefill_timestamps``
+gives every prompt token that step as its birth.  RaaS and ``kvsieve analyze mri`` (through
+``lazy``) share this clock.
 
 GQA: the attention a kv head's token receives is reduced over the G query heads of the group
 (``head_reduction``); the paper (MHA view) leaves this open.  "mean" keeps one softmax row's
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import DEAD_POS
 from ..policy import reduce_group
 
 TS_UNSET = -1.0  # meta_init of "ts": replaced by the token's own position (its birth step)
@@ -49,6 +54,15 @@ def born_timestamps(layer) -> torch.Tensor:
     ts = layer.meta["ts"]
     unset = (ts < 0) & layer.live()
     return torch.where(unset, layer.meta["pos"].to(ts.dtype), ts)
+
+
+def prefill_timestamps(layer, query_pos: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, cap] TS with every live token of a row born at this prefill call, taken as one
+    step named by the row's last query (query_pos [B, T], DEAD_POS on padding).  After the
+    prompt's last chunk that is the prompt's last position: decoding step 0."""
+    ts = layer.meta["ts"]
+    step = torch.where(query_pos != DEAD_POS, query_pos, -1).amax(dim=1)  # [B]; -1: padding only
+    return torch.where(layer.live(), step.to(ts.dtype)[:, None, None], ts)
 
 
 def observe_timestamps(layer, probs: torch.Tensor, query_pos: torch.Tensor, alpha: float,

@@ -5,11 +5,17 @@ Language Models" (arXiv:2306.14048).  Each cached token's score is the attention
 received, summed over every query since it entered the cache (Sec. 3, Eq. of the greedy
 eviction policy); half the budget is a recent window (Sec. 5: equal heavy-hitter and recent
 budgets).  Decode-time: the sum is updated every step from the current query's attention.
+
+As LazyEviction's baseline (its Tables 1-3, App. C) the recent window is LazyEviction's W
+instead: ``recent_rule="lazy-window"``.
 """
 
 from dataclasses import dataclass
 
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, reduce_group, register
+from .lazy import DEFAULT_WINDOW
+
+RECENT_RULES = ("half", "lazy-window")
 
 
 @register("h2o")
@@ -22,22 +28,33 @@ class H2O(Scorer):
     head_reduction : str, default "sum"
         How the G query heads of a GQA group add up onto their kv head. H2O is defined per
         attention head (MHA); summing the group's attention is kvsieve's choice for GQA.
+    recent_rule : str, default "half"
+        The recent window when ``recent`` is not set.  "half": budget // 2, H2O's own setting
+        (Sec. 5: equal heavy-hitter and recent budgets).  "lazy-window": LazyEviction's default
+        window W = 25 (``lazy.DEFAULT_WINDOW``, its Table 3 / Table 9 W for GSM8K), the H2O of
+        LazyEviction's comparison: "the number of recent tokens in H2O is equal to
+        LazyEviction's window size" (App. C); it evicts every step, and Table 3's "H2O + window"
+        adds ``interval=25``.  For another W set ``recent=W``: an explicit ``recent`` overrides
+        either rule.
     """
 
     summary = "accumulated attention received (heavy hitters) + recent window"
     slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Zhang et al. 2023 (arXiv:2306.14048), Sec. 5: heavy and recent budgets equal"
+    source = ("Zhang et al. 2023 (arXiv:2306.14048), Sec. 5: heavy and recent budgets equal; recent_rule="
+              "'lazy-window': recent = LazyEviction's W, as its H2O baseline (LazyEviction App. C)")
     meta_init = {"acc": 0.0}
     observes = True
     head_reduction: str = "sum"
+    recent_rule: str = "half"
 
-    recent_doc = "budget // 2"
+    recent_doc = f"budget // 2 ({DEFAULT_WINDOW} = lazy's W if recent_rule=lazy-window)"
 
     def default_recent(self, budget):
-        return budget // 2
+        return budget // 2 if self.recent_rule == "half" else DEFAULT_WINDOW
 
     def __post_init__(self):
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "h2o head_reduction")
+        check_choice(self.recent_rule, RECENT_RULES, "h2o recent_rule")
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap] -> summed over the group and this step's queries

@@ -9,16 +9,21 @@ plus the B - W with the highest importance I_t (Eqs. 2, 5); the cache peaks at B
 
 On the engine: ``interval = W, recent = W, budget = B``, the defaults derived from ``window``
 (Alg. 1 line 8's ``B >= |K|`` is a typo for ``|K| > B``, the engine's ``should_compress``).
+The interval is W at every budget: below B = 2W, where kvsieve's cap of a default interval at
+``budget // 2`` would part it from W, the policy is refused (``LazyEviction.interval_for``).
 The prompt is not compressed at prefill (``compress_prefill`` defaults to False); its tokens
-are born at their own position with MRI 0 and scored like generated ones (App. H.2).  Their
-queries are not tracking steps (``observe_prompt=False``): Alg. 1's step t is a decoding step.
+are scored like generated ones (App. H.2).  Their queries are not tracking steps
+(``observe_prompt=False``): Alg. 1's step t is a decoding step.  So the prompt enters the cache
+in one step, the prefill (decoding step 0), and every prompt token is born there with MRI 0
+(``prompt_birth="prefill"``), as a generated token is born at the step that appends it.
 
 Baselines of the paper's comparison.  Its H2O keeps W recent tokens, W being LazyEviction's
 window ("the number of recent tokens in H2O is equal to LazyEviction's window size", App. C),
-and evicts every step: ``make_policy("h2o", budget=B, recent=W)`` (``h2o``'s own default,
-``recent = B // 2``, is not that baseline).  Table 3's "+ window" rows use the observation-
-window schedule, evicting every W steps with the same window: ``make_policy("h2o", budget=B,
-interval=W, recent=W)``, likewise for ``tova`` and ``raas``.
+and evicts every step: ``make_policy("h2o", budget=B, recent_rule="lazy-window")`` for the
+default W (``recent=W`` for another; ``h2o``'s own default, ``recent = B // 2``, is not that
+baseline).  Table 3's "+ window" rows use the observation-window schedule, evicting every W
+steps with the same window: ``make_policy("h2o", budget=B, interval=W, recent=W)``, likewise
+for ``tova`` and ``raas``.
 """
 
 from __future__ import annotations
@@ -29,9 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
-from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
+from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, prefill_timestamps, resolve_alpha
+
+# W, the observation window: the paper's value for GSM8K (Table 3; best of Table 9 on DS-Llama-8B).
+# Also the recent window of the paper's H2O baseline (App. C; ``h2o`` recent_rule="lazy-window").
+DEFAULT_WINDOW = 25
 
 H2_FORMS = ("text", "printed", "scaled")
+PROMPT_BIRTHS = ("prefill", "position")
 # Names before issue 28, refused with a pointer: "decreasing" (then the default) is kvsieve's own
 # form, not a reading of the paper; "steep" was the smallest change the text asks for, now "text".
 _RENAMED_H2 = {"decreasing": "scaled", "steep": "text"}
@@ -110,10 +120,10 @@ class LazyEviction(Scorer):
     window : int | str, default 25
         W, the eviction interval and the protected recent window (Sec. 4).  25 is the paper's
         W for GSM8K (Table 3; best of Table 9, DS-Llama-8B).  App. C sets W to the 80th
-        percentile of MRI: ``"auto"`` reads it from ``analysis``.  Must be below the budget B
-        (checked when the policy is built with its default recent window).  The paper's H2O
-        baseline keeps the same W recent tokens (App. C): ``make_policy("h2o", budget=B,
-        recent=W)``.
+        percentile of MRI: ``"auto"`` reads it from ``analysis``.  The policy's interval and
+        recent window default to W; its budget must be at least 2W (``interval_for``).  The
+        paper's H2O baseline keeps the same W recent tokens (App. C): ``make_policy("h2o",
+        budget=B, recent_rule="lazy-window")`` for the default W, ``recent=W`` for another.
     alpha : float | None, default None
         Activation threshold (Alg. 1 line 2).  None: the Table 10 value for ``family``.
     family : str, default "qwen2"
@@ -133,33 +143,56 @@ class LazyEviction(Scorer):
         lines 1-6 at each step t of its input, a decoding step ("its latest timestamp is
         updated to the value of current decoding step t ... during the whole decoding phase",
         Sec. 4, Recurrence Interval Tracking; App. B; App. E.2 charges the tracking to decode
-        steps), so prompt tokens keep TS = their position and MRI 0 until decoding starts (the
-        engine's multi-query calls are not observed; a prefill chunk of one token would be).
+        steps), so prompt tokens keep their birth TS (``prompt_birth``) and MRI 0 until decoding
+        starts (the engine's multi-query calls are not observed; a prefill chunk of one token
+        would be).
         True: every prompt query is a step as well (kvsieve's default before issue 28).
+    prompt_birth : str, default "prefill"
+        The TS a prompt token starts decoding with when the prompt's queries are not steps
+        (``observe_prompt=False``), so the MRI its first activation records; the paper does not
+        say.  "prefill": every prompt token is born at the prefill, decoding step 0 (on
+        kvsieve's clock the prompt's last position): a first activation at decoding step t
+        records MRI t.  It keeps TS on Alg. 1's clock, which only has decoding steps ("its
+        latest timestamp is updated to the value of current decoding step t ... during the
+        whole decoding phase, LazyEviction dynamically maintains a timestamp vector TS_t for
+        all retained tokens", Sec. 4; Alg. 1 lines 1-6 at each step t), and treats the prompt
+        as Sec. 4 treats generated tokens, born at the step that appends them ("For newly
+        generated tokens, MRI is initialized to 0"; MRI 0 means "never been activated since
+        its generation"), the prefill being the step that appends the prompt.  "position":
+        born at its own position, as if each prompt query were a step though none is tracked
+        (kvsieve before issue 35): the first activation at step t records t + (prompt length
+        - 1 - position), hundreds of steps for an early token of a long prompt, which keeps
+        H1 = 2 sigma(-(t - TS)/MRI) near 1 for as long.  Not offered: letting a prompt token's
+        first decoding activation set TS without recording a gap; it would time prompt tokens
+        from their first activation but generated ones from their birth, and score a prompt
+        token activated once like one never activated (MRI 0: H1 = 0 once idle).  With
+        ``observe_prompt=True`` both values agree: each prompt token is born at its own step.
     analysis : str, default "kvsieve-mri.json"
         File written by ``kvsieve analyze mri``, read when ``window="auto"``.
     """
 
     summary = "lagged eviction every W steps: W recent + top B-W by MRI-centric importance"
     slot_order_free = True  # per-token scores: the engine may evict in place
-    interval_doc = "window (W)"
+    interval_doc = "window (W); needs budget >= 2W"
     source = ("LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / App. C "
               "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 falling "
               "with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
-              "timestamps over decoding steps only (Sec. 4, Alg. 1)")
+              "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
+              "interval = W, budget >= 2W")
     meta_init = {"ts": TS_UNSET, "mri": 0.0}  # new tokens: born now (TS = own position), MRI 0 (Sec. 4)
     observes = True
     default_compress_prefill = False  # App. H.2: the prompt is scored, never cut at prefill
     default_protect_prompt = False  # App. H.2-H.3: "we treat Prefill and Decode tokens equally": prompt tokens compete
-    default_interval = 25  # = window; each instance sets its own in __post_init__
+    default_interval = DEFAULT_WINDOW  # = window; each instance sets its own in __post_init__
     recent_doc = "window"
 
-    window: int | str = 25
+    window: int | str = DEFAULT_WINDOW
     alpha: float | None = None
     family: str = "qwen2"
     head_reduction: str = "mean"
     h2: str = "text"
     observe_prompt: bool = False
+    prompt_birth: str = "prefill"
     analysis: str = "kvsieve-mri.json"
 
     def __post_init__(self):
@@ -172,10 +205,38 @@ class LazyEviction(Scorer):
         if self.h2 in _RENAMED_H2:
             raise ValueError(f"lazy h2 must be one of {list(H2_FORMS)}{_renamed_hint(self.h2)}")
         check_choice(self.h2, H2_FORMS, "lazy h2")
+        check_choice(self.prompt_birth, PROMPT_BIRTHS, "lazy prompt_birth")
         self.default_interval = self.window  # lagged eviction every W decode steps
 
+    def interval_for(self, budget):
+        """The interval is W, Alg. 1 line 8: "if t == kW ... Update KV pairs according to Eq. 5"
+        (Sec. 4: "KV eviction are triggered at periodic intervals t = kW"); one W is both the
+        interval and the recent window of Eq. 5.
+
+        kvsieve caps every default interval at ``budget // 2`` so that a budget stays a bound
+        (``Policy``: the cache peaks at B + interval <= 1.5 B).  Below B = 2W that cap would
+        part the interval from W, so such a budget is refused, naming the fix, rather than W
+        lowered: W is the hyperparameter the paper tunes per model and task (80% MRI threshold,
+        App. C; Table 9) and also the recent window, so a quietly smaller W would run another
+        method than the settings name, and the paper's regime is B >> W ("When the number of KV
+        pairs exceeds the predefined budget B (B >> W)", Sec. 4); B >= 2W is a weak form of it.
+
+        An explicit ``interval`` never reaches this: ``Policy`` keeps it as given, as for every
+        method, and records it in the settings; ``window`` sets the interval and the recent
+        window together, as Alg. 1 does.
+        """
+        # deviation: an explicit interval != W is allowed, not refused: it is how a wrapper sets its
+        # own schedule (caote:lazy evicts every step) and how a run varies the schedule alone
+        if budget is not None and budget < 2 * self.window:
+            lower = f" or set window={budget // 2}" if budget >= 2 else ""
+            raise ValueError(f"lazy: window W={self.window} needs budget >= 2W={2 * self.window} so the interval "
+                             f"stays W (Alg. 1 line 8) and the cache peaks at B + W <= 1.5 B; got budget B={budget}: "
+                             f"raise --budget to {2 * self.window}{lower}")
+        return self.window
+
     def default_recent(self, budget):
-        # Policy asks this with the budget: the one moment the scorer sees B.
+        # Policy asks this with the budget when no recent window is set.  With the default
+        # interval, interval_for has already required B >= 2W; this guards an explicit interval.
         if self.window >= budget:
             raise ValueError(f"lazy window W={self.window} must be smaller than the budget B={budget}: "
                              f"the cache keeps the W newest tokens plus the top B - W (Eq. 5) and peaks at "
@@ -184,8 +245,9 @@ class LazyEviction(Scorer):
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap]; T > 1 only for prefill chunks
-        if probs.shape[3] > 1 and not self.observe_prompt:
-            layer.meta["ts"].copy_(born_timestamps(layer))
+        if probs.shape[3] > 1 and not self.observe_prompt:  # a prefill chunk: no step of Alg. 1, only births
+            born = prefill_timestamps(layer, query_pos) if self.prompt_birth == "prefill" else born_timestamps(layer)
+            layer.meta["ts"].copy_(born)
             return
         observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=True)
 
