@@ -1,0 +1,154 @@
+"""Golden outputs: the token ids every registered method produced on the bundled SmolLM2 at the
+accuracy grid's pinned commit, so a refactor that must not change behaviour (issue 32) can show
+that it did not, token for token.
+
+Recorded once, before the refactor, with ``python tests/test_golden.py --record``; the file
+``tests/golden/tokens.json`` holds every case with its tokens and is never rewritten by the test.
+Cases: a batch of two left-padded prompts, 96 new tokens with EOS ignored, greedy, one thread
+(reductions in a fixed order); each method at budgets 64 and 96 (LagKV, which sizes its own cache,
+at two (L, r) settings), a protected-prompt case, through
+
+* ``eager``: ``kvsieve.generate``;
+* ``compiled``: ``kvsieve.generate`` with the compiled step, for the in-place evictors;
+* ``hf``: transformers' own ``model.generate`` over ``SieveCache.for_model``.
+
+The default suite runs the ``default`` tier (a few cases); ``pytest -m slow tests/test_golden.py``
+runs all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GOLDEN = Path(__file__).parent / "golden" / "tokens.json"
+PROMPTS = ["A farmer has 17 sheep and buys 5 more each week. Explain step by step how many sheep he has after "
+           "six weeks, and what he must plan for feeding them through the winter.",
+           "List three prime numbers and say why each is prime."]
+NEW_TOKENS = 96
+BUDGETS = (64, 96)
+WRAPPED_BASE = "tova"
+SELF_SIZED = ({"lag": 16, "ratio": 0.25}, {"lag": 32, "ratio": 0.5})  # LagKV and its variants: (L, r) settings
+DEFAULT_TIER = {("eager", "tova", 64), ("eager", "lazy", 64), ("eager", "caote:tova", 96), ("hf", "tova", 64),
+                ("eager", "tova+protect", 96)}
+
+
+def _config(compile: bool = False):
+    from kvsieve import GenerateConfig
+
+    return GenerateConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, chat_template=False, compile=compile)
+
+
+def run_case(case: dict, model, tok) -> list[list[int]]:
+    """The case's new token ids per row."""
+    from kvsieve import SieveCache, generate, make_policy
+
+    method, budget, settings = case["method"], case["budget"], case["settings"]
+    if case["mode"] in ("eager", "compiled"):
+        result = generate(model, tok, PROMPTS, make_policy(method, budget, **settings),
+                          _config(compile=case["mode"] == "compiled"))
+        return result.token_ids
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    horizon = enc.input_ids.shape[1] + NEW_TOKENS
+    previous = model.config._attn_implementation
+    try:
+        cache = SieveCache.for_model(model, method, budget, horizon=horizon, **settings)
+        out = model.generate(**enc, cache=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return out[:, enc.input_ids.shape[1]:].tolist()
+
+
+def cases() -> list[dict]:
+    """Every registered method (wrappers over tova) at both budgets, in each mode it supports."""
+    from kvsieve.methods import SCORERS, WRAPPERS, make_policy, method_names
+
+    out = []
+    names = method_names() + [f"{prefix}:{WRAPPED_BASE}" for prefix in sorted(WRAPPERS)]
+    for name in names:
+        scorer = None if name == "full" else make_policy(name, 64 if ":" in name or SCORERS[name].uses_budget
+                                                         else None).scorer
+        if name == "full":
+            runs = [(None, {})]
+        elif scorer.uses_budget:
+            runs = [(b, {}) for b in BUDGETS]
+        else:
+            runs = [(None, s) for s in SELF_SIZED]
+        modes = ["eager", "hf"]
+        if scorer is not None and scorer.slot_order_free:
+            modes.append("compiled")
+        if scorer is not None and scorer.per_token_hook:
+            modes.remove("hf")  # SkipKV's sentence tracking runs only in kvsieve's loop
+        for mode in modes:
+            for budget, settings in runs:
+                out.append({"mode": mode, "method": name, "budget": budget, "settings": settings})
+    out.append({"mode": "eager", "method": "tova", "budget": 96, "settings": {"protect_prompt": True},
+                "label": "tova+protect"})
+    out.append({"mode": "hf", "method": "tova", "budget": 96, "settings": {"protect_prompt": True},
+                "label": "tova+protect"})
+    for case in out:
+        case.setdefault("label", case["method"])
+        case["tier"] = "default" if (case["mode"], case["label"], case["budget"]) in DEFAULT_TIER else "slow"
+    return out
+
+
+def case_id(case: dict) -> str:
+    settings = ",".join(f"{k}={v}" for k, v in case["settings"].items())
+    return f"{case['mode']}-{case['label']}@{case['budget']}" + (f"[{settings}]" if settings else "")
+
+
+def load_golden() -> list[dict]:
+    return json.loads(GOLDEN.read_text(encoding="utf-8"))["cases"] if GOLDEN.exists() else []
+
+
+@pytest.fixture
+def one_thread():
+    """Reductions in one fixed order, as when the golden tokens were recorded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c), marks=() if c["tier"] == "default"
+                                               else pytest.mark.slow) for c in load_golden()])
+def test_tokens_equal_the_golden_record(smollm, one_thread, case):
+    model, tok = smollm
+    assert run_case(case, model, tok) == case["tokens"], f"{case_id(case)} differs from its golden tokens"
+
+
+def test_golden_record_exists_and_covers_every_tier():
+    golden = load_golden()
+    assert golden, f"no golden record: run `python {Path(__file__).name} --record` at the pinned commit"
+    assert {c["tier"] for c in golden} == {"default", "slow"}
+    assert all(len(c["tokens"]) == 2 and all(len(row) == NEW_TOKENS for row in c["tokens"]) for c in golden)
+
+
+def record() -> None:
+    from kvsieve.eval.config import source_commit
+    from kvsieve.models import load_model
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, tok = load_model("smollm2-135m", device="cpu", dtype="float32")
+    recorded = []
+    for case in cases():
+        case["tokens"] = run_case(case, model, tok)
+        recorded.append(case)
+        print(case_id(case), "ok", flush=True)
+    GOLDEN.parent.mkdir(exist_ok=True)
+    head = json.dumps({"commit": source_commit(), "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "threads": 1})
+    lines = ",\n".join(json.dumps(case) for case in recorded)  # a case per line: diffs name the case
+    GOLDEN.write_text(f'{head[:-1]}, "cases": [\n{lines}\n]}}\n', encoding="utf-8")
+    print(f"wrote {len(recorded)} cases to {GOLDEN}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit(f"usage: python {sys.argv[0]} --record   (only at the commit the golden tokens describe)")
+    record()
