@@ -18,6 +18,7 @@ import torch
 import kvsieve.attention as attention_module
 from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS, SieveCache
+from kvsieve.eval.perplexity import score_text
 from kvsieve.methods import make_policy
 from kvsieve.methods.lagkv import LagKV, peak_tokens, scheduled_peak
 from kvsieve.policy import Feed, compress, compress_layer, drop_dead
@@ -558,3 +559,14 @@ def test_the_engine_peak_per_kv_head_is_the_simulated_one_within_the_budget(tiny
             assert peak == budget == peak_tokens(S, L, k, horizon) + feed.block - 1
     if longest > budget and feed.block is None:
         assert f"so the run peaks at {longest}, over the budget" in scorer.fit_note
+
+
+def test_perplexity_fits_the_budget_too(tiny):
+    """``score_text`` (teacher forcing: the first ``budget`` tokens at once, then one at a time)
+    fits L and r as ``generate`` does; it ran LagKV's defaults whatever the budget before."""
+    model, tok = tiny
+    text = "y" * 300
+    with pytest.raises(ValueError, match="set off_grid=true"):
+        score_text(model, tok, text, make_policy("lagkv", budget=64))
+    score = score_text(model, tok, text, make_policy("lagkv", budget=64, off_grid=True))
+    assert max(score.peak_kv_tokens) <= 64 * model.config.num_key_value_heads and score.compression_events > 0
