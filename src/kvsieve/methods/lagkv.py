@@ -41,8 +41,8 @@ never compresses (``lagkv-l2``'s first two) hold every token; the fit bounds the
    token kept per partition).  No setting is ever fitted over B.
 
 The smallest grid setting, L = 128 and r = 1/8 (k = 16), holds S + 2L = 272 tokens before it
-first compresses, so no budget under 272 fits the grid, and the least that does grows by 16
-tokens per 128 of horizon: 320 at N = 700, 340 at N = 900, 400 at N = 1300 (S = 16, the
+first compresses, so no budget under 272 fits the grid, and the least that does grows by about
+16 tokens per 128 of horizon: 320 at N = 700, 340 at N = 900, 400 at N = 1300 (S = 16, the
 default schedule).
 
 Schedule: by default compress after the whole prompt (Sec. 3.1), then whenever a partition
@@ -139,7 +139,7 @@ class LagKV(Scorer):
         The first ``skip_layers`` layers are never compressed (``lagkv-l2``: 2, App. A.2).
     min_fill : float, default 0.8
         Budget fit only (module docstring, step 2): the grid settings whose peak uses at least
-        this share of the budget are preferred; when none does, the fit keeps the fullest-rL
+        this share of the budget are preferred; when none does, the fit keeps the largest-rL
         one that fits and says so in ``fit_note`` (with ``off_grid``, an off-grid setting that
         does fill it is taken instead).  kvsieve's choice, not the paper's (which has no
         budget): 0.8 is issue 28's bar for "uses the budget" in budget-matched comparisons.
