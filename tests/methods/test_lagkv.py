@@ -10,7 +10,6 @@ import math
 import random
 import re
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 import torch
@@ -312,8 +311,7 @@ def test_scheduled_peak_bounds_every_simulated_row_and_is_exact_one_token_at_a_t
         feed = Feed(prompt=prompt, block=g.choice([None, None, 1, 3, L, 2 * L + 1]), interval=g.randint(1, 4),
                     compress_prefill=g.random() < 0.8)
         bound = scheduled_peak(S, L, k, horizon, feed)
-        assert bound == max(scheduled_peak(S, L, k, horizon, replace(feed, prompt=0, block=None, interval=1)),
-                            bound)  # a schedule never lowers the one-at-a-time peak
+        assert bound >= peak_tokens(S, L, k, horizon)  # a schedule never lowers the one-at-a-time peak
         for p, pad, fed in rows(prompt, horizon):
             peak, after = simulate(S, L, k, fed, p, pad, feed.block, feed.interval, feed.compress_prefill)
             assert after <= bound and peak <= max(bound, feed.held), (S, L, k, horizon, feed, p, pad)
