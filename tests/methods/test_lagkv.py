@@ -315,7 +315,8 @@ def test_scheduled_peak_bounds_every_simulated_row_and_is_exact_one_token_at_a_t
         for p, pad, fed in rows(prompt, horizon):
             peak, after = simulate(S, L, k, fed, p, pad, feed.block, feed.interval, feed.compress_prefill)
             assert after <= bound and peak <= max(bound, feed.held), (S, L, k, horizon, feed, p, pad)
-        assert scheduled_peak(S, L, k, horizon, Feed()) == one_at_a_time(S, L, k, horizon) == peak_tokens(S, L, k, horizon)
+        exact = one_at_a_time(S, L, k, horizon)
+        assert scheduled_peak(S, L, k, horizon, Feed()) == exact == peak_tokens(S, L, k, horizon)
 
 
 PAPER_GRID = [(L, r) for L in (128, 512, 1024) for r in (1 / 2, 1 / 4, 1 / 6, 1 / 8)]  # Sec. 3.1, S = 16
@@ -398,7 +399,8 @@ def test_budget_fit_holds_on_every_schedule_for_every_row_of_a_padded_batch(budg
             scorer = policy.for_horizon(horizon, prompt).scorer
         except ValueError as err:
             least = smallest_named(err)
-            scorer = make_policy("lagkv", budget=least, off_grid=off_grid, **FEEDS[feed]).for_horizon(horizon, prompt).scorer
+            policy = make_policy("lagkv", budget=least, off_grid=off_grid, **FEEDS[feed])
+            scorer = policy.for_horizon(horizon, prompt).scorer
             budget_checked = least
         else:
             budget_checked = budget
@@ -541,7 +543,8 @@ def test_the_engine_peak_per_kv_head_is_the_simulated_one_within_the_budget(tiny
             make_policy("lagkv", budget=64, **settings).for_horizon(horizon, longest)
         budget = smallest_named(refused.value)
     policy = make_policy("lagkv", budget=budget, **settings)
-    result = generate(model, tok, ["x" * n for n in prompts], policy, GenerateConfig(max_new_tokens=new, ignore_eos=True))
+    config = GenerateConfig(max_new_tokens=new, ignore_eos=True)
+    result = generate(model, tok, ["x" * n for n in prompts], policy, config)
     scorer = policy.for_horizon(horizon, longest).scorer
     assert result.settings["lag"] == scorer.lag and result.settings["fit_note"] == scorer.fit_note
     assert result.settings["in_paper_grid"] == (not settings.get("off_grid", False))

@@ -226,8 +226,8 @@ class LagKV(Scorer):
         off_full = [c for c in off if c[1] >= least]
         if within and not off_full:  # step 2: largest k = rL first (Sec. 3.3 / Fig. 2), then the peak, then L
             k, top, L, r = max(full or within)
-            short = "" if full else (f" (under {self.min_fill:g} * budget: no grid setting fills it"
-                                     f"{'' if self.off_grid else '; off_grid=true may fit one off the grid that does'})")
+            hint = "" if self.off_grid else "; off_grid=true may fit one off the grid that does"
+            short = "" if full else f" (under {self.min_fill:g} * budget: no grid setting fills it{hint})"
             return replace(self, lag=L, ratio=r, fit_note=(
                 f"{over}: Sec. 3.1 grid L={L}, r={_ratio_text(r)} (k={k}) peaks at {top} tokens{short}"
                 f"{self._prompt_note(budget, top, feed)}"))
@@ -235,7 +235,8 @@ class LagKV(Scorer):
             k, top, L = max(off_full) if off_full else max(off, key=lambda c: (c[1], c[0], c[2]))
             why = ("no grid setting fits the budget" if not within else
                    f"no grid setting fills {self.min_fill:g} * budget")
-            small = f"; rL = {k} is under the grid's smallest (16), Sec. 3.3 / Fig. 2's failing regime" if k < 16 else ""
+            small = (f"; rL = {k} is under the grid's smallest (16), Sec. 3.3 / Fig. 2's failing regime"
+                     if k < 16 else "")
             short = "" if off_full else f" (under {self.min_fill:g} * budget: no setting fills it)"
             return replace(self, lag=L, ratio=k / L, fit_note=(
                 f"{over}: OFF the paper's grid (off_grid), {why}; kvsieve's fit L={L}, k={k} (r={k}/{L}) "
