@@ -29,7 +29,12 @@ COMMON=(--model qwen2.5-coder-1.5b --dataset gsm8k --limit "$LIMIT" --max-new-to
         --out "$OUT" --no-progress)
 # AMS's Table 15 interval (512), also Expected Attention's, would never compress within 512 new
 # tokens; 64 is a quarter of the larger budget and half of the smaller.
-declare -A SETTINGS=([ams:tova]=interval=64 [ams:expected]=interval=64 [ams:rkv]=interval=64 [expected]=interval=64)
+# Budgets 128 and 256 are below every setting of LagKV's paper grid at this horizon (the smallest
+# that fits is 320 to 400 tokens), which the fit refuses unless off_grid is set: its cells run off
+# the grid, as the recorded rows did (L 16, r 1/8 at 128, under an earlier fit rule; each row's
+# settings hold its L and r).
+declare -A SETTINGS=([ams:tova]=interval=64 [ams:expected]=interval=64 [ams:rkv]=interval=64 [expected]=interval=64
+                     [lagkv]=off_grid=true [localkv]=off_grid=true [lagkv-l2]=off_grid=true)
 
 mkdir -p "$OUT"
 # full alone first: it is every cell's reference.

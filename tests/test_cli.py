@@ -52,6 +52,13 @@ def test_generate_refuses_a_batch_over_the_kv_memory_limit(smollm):
     assert result.exit_code == 2 and "exceeds kv_memory_gb" in result.output and "--kv-memory-gb" in result.output
 
 
+def test_lagkv_below_the_paper_grid_is_a_usage_error_naming_the_fix(smollm):
+    result = runner.invoke(app, ["generate", "--method", "lagkv", "--budget", "64", "--max-new-tokens", "400", "hi"],
+                           env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "fits no setting of the paper's grid" in result.output
+    assert "the smallest budget that fits is" in result.output and "off_grid=true" in result.output
+
+
 def test_budget_below_protected_window_names_both_values():
     result = runner.invoke(app, ["generate", "--method", "streaming", "--budget", "3", "hi"], env={"COLUMNS": "250"})
     assert result.exit_code != 0

@@ -258,7 +258,7 @@ def generate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, positions = left_pad(encoded, pad_id or 0, model.device)
     horizon = input_ids.shape[1] + config.max_new_tokens
-    policy = policy.for_horizon(horizon)  # LagKV at a budget
+    policy = policy.for_horizon(horizon, prompt=max(len(ids) for ids in encoded))  # LagKV at a budget
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
     settings = policy.settings()

@@ -90,7 +90,7 @@ class ScheduledCache(SieveCache):
             raise NotImplementedError(
                 f"{policy.name} runs a host hook before every forward pass (SkipKV's sentence tracking), which "
                 "transformers' generate cannot call: use kvsieve.generate for this method")
-        policy = policy.for_horizon(horizon)
+        policy = policy.for_horizon(horizon)  # the prompt is not seen yet: LagKV's fit does without it
         num_layers = model.config.num_hidden_layers
         cache = cls.for_policy(policy, num_layers, horizon, managed=False)
         cache.horizon = horizon

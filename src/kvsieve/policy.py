@@ -108,9 +108,9 @@ class Scorer:
         hidden states (SkipKV) set up here and clean up on exit; the default yields None."""
         return contextlib.nullcontext()
 
-    def fit_budget(self, budget: int, horizon: int) -> "Scorer":
-        """A copy whose own settings keep at most about ``budget`` tokens over ``horizon``
-        tokens per row (only scorers with ``fits_budget``, e.g. LagKV)."""
+    def fit_budget(self, budget: int, horizon: int, feed: "Feed") -> "Scorer":
+        """A copy whose own settings keep at most ``budget`` tokens per row over ``horizon`` tokens
+        fed as ``feed`` says (only scorers with ``fits_budget``, e.g. LagKV)."""
         raise NotImplementedError(f"{self.name} has no budget-to-settings rule")
 
     def before_select_rows(self, keep: torch.Tensor) -> None:
@@ -188,6 +188,38 @@ def pool_along_sequence(scores: torch.Tensor, live: torch.Tensor, kernel: int, h
         sums = torch.nn.functional.avg_pool1d(both, kernel, stride=1, padding=pad) * kernel
         pooled = sums[:, :1] / sums[:, 1:].clamp(min=1)
     return pooled[..., :S].reshape(B, H, S)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """How ``DecodeSession`` hands a batch's tokens to the cache between compression checks: what
+    a self-sizing scorer's budget fit (``Scorer.fit_budget``) bounds its peak over.
+
+    prompt : int
+        The batch's longest prompt in real tokens; 0 when not known (``kvsieve.hf`` builds its
+        cache before it sees the prompt).
+    block : int | None
+        ``Policy.prefill_block_size()``: the prompt arrives in blocks of this many tokens, each
+        followed by a check.  None: it arrives whole and is checked once after prefill (without
+        ``compress_prefill``, first at decode step ``interval``).
+    interval : int
+        Decode steps between checks (``Policy.interval``).
+    compress_prefill : bool
+        ``Policy.compress_prefill``.
+    """
+
+    prompt: int = 0
+    block: int | None = None
+    interval: int = 1
+    compress_prefill: bool = True
+
+    @property
+    def held(self) -> int:
+        """Tokens the longest row holds at its first check when its prompt arrives whole: the
+        prompt, and ``interval`` decode tokens more without ``compress_prefill`` (0 with blocks)."""
+        if self.block is not None:
+            return 0
+        return self.prompt + (0 if self.compress_prefill else self.interval)
 
 
 @dataclass
@@ -308,12 +340,19 @@ class Policy:
         out.update({f"allocator_{f.name}": getattr(self.allocator, f.name) for f in dataclasses.fields(self.allocator)})
         return out
 
-    def for_horizon(self, horizon: int) -> "Policy":
-        """The policy to run for rows of at most ``horizon`` tokens: a self-sizing scorer given a
-        budget (``fits_budget``) gets settings fitted to it; every other policy is returned as is."""
+    def feed(self, prompt: int = 0) -> Feed:
+        """This policy's schedule as the cache sees it, for a batch whose longest prompt is ``prompt``."""
+        return Feed(prompt=prompt, block=self.prefill_block_size(), interval=self.interval,
+                    compress_prefill=self.compress_prefill)
+
+    def for_horizon(self, horizon: int, prompt: int = 0) -> "Policy":
+        """The policy to run for rows of at most ``horizon`` tokens whose longest prompt is
+        ``prompt`` (0: not known): a self-sizing scorer given a budget (``fits_budget``) gets
+        settings fitted to it and this schedule; every other policy is returned as is."""
         if self.scorer is None or self.scorer.uses_budget or self.budget is None:
             return self
-        return dataclasses.replace(self, scorer=self.scorer.fit_budget(int(self.budget), horizon))
+        fitted = self.scorer.fit_budget(int(self.budget), horizon, self.feed(prompt))
+        return dataclasses.replace(self, scorer=fitted)
 
     def layer_budgets(self, num_layers: int) -> list[int | None]:
         if self.scorer is None or self.budget is None:

@@ -215,6 +215,7 @@ class DecodeSession:
             pieces.append(logits)
             if block is not None and not policy.protect_prompt:  # block-wise prefill eviction
                 cache.seen_tokens = (positions[:, : part.stop] != DEAD_POS).sum(dim=1)
+                self._record_peak()  # each block's tokens are held until this compression
                 compress(cache, policy, self.budgets)  # (a protected prompt has nothing to evict)
         cache.seen_tokens = (positions != DEAD_POS).sum(dim=1)
         if scorer is not None and policy.protect_prompt:  # each row's prompt, and the capacity it needs

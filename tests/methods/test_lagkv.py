@@ -1,11 +1,15 @@
 """LagKV, LocalKV and LagKV-L2 (arXiv:2504.04704): the score equations recomputed with plain
 loops, per-partition selection, the recursive schedule (Eq. 10 lengths, the window of
-L + ((n - S) mod L) tokens, frozen partitions, nothing below S + 2L), and end to end on the
-bundled SmolLM2 without attention weights."""
+L + ((n - S) mod L) tokens, frozen partitions, nothing below S + 2L), the budget fit against a
+token-by-token simulator of the engine's schedule, and end to end on the bundled SmolLM2 and a
+tiny random Llama, whose measured peaks match the simulator."""
 
 from __future__ import annotations
 
 import math
+import random
+import re
+from collections import Counter
 
 import pytest
 import torch
@@ -13,9 +17,11 @@ import torch
 import kvsieve.attention as attention_module
 from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS, SieveCache
+from kvsieve.eval.perplexity import score_text
 from kvsieve.methods import make_policy
-from kvsieve.methods.lagkv import LagKV
-from kvsieve.policy import compress, compress_layer, drop_dead
+from kvsieve.methods.lagkv import LagKV, peak_tokens, scheduled_peak
+from kvsieve.policy import Feed, compress, compress_layer, drop_dead
+from kvsieve.random_models import ByteTokenizer
 
 H, D = 2, 3
 SHORT = "What is 7 times 8?"
@@ -233,73 +239,195 @@ def test_ratio_one_never_compresses_and_bad_settings_are_rejected():
         make_policy("lagkv", budget=18).for_horizon(500)
 
 
-def simulated_peak(S: int, L: int, k: int, n_total: int) -> int:
-    """Sec. 2.2's recursion fed one token at a time, counting tokens only: S sinks, then the
-    compressed part, then the rest; when the rest reaches 2L tokens ("skip the compression if
-    ... less than 2L"), it is cut into partitions of L and every full one but the last keeps k
-    tokens (the last plus the modulo stay as the sliding window).  Returns the most tokens held
-    at any moment: after a token arrives, before the compression it triggers."""
-    compressed = rest = peak = 0
-    for n in range(1, n_total + 1):
+def simulate(S: int, L: int, k: int, fed: int, prompt: int = 0, pad: int = 0, block: int | None = None,
+             interval: int = 1, compress_prefill: bool = True) -> tuple[int, int]:
+    """Sec. 2.2's recursion on one row, counting tokens only, with its tokens arriving one at a
+    time but compressed only where ``DecodeSession`` checks: after each prefill block of
+    ``block`` columns (the row left padded by ``pad`` of them), else once after its ``prompt``
+    (at decode step ``interval`` without ``compress_prefill``), then every ``interval`` decode
+    steps.  At a check the tokens after the sinks and the compressed part (the rest) are
+    compressed only from 2L on ("skip the compression if ... less than 2L"): cut into
+    partitions of L, every full one but the last keeps k tokens and is frozen, the last plus
+    the modulo stay as the sliding window.  Returns the most tokens held at any moment, and the
+    most once the whole prompt's first check is past (0 with blocks: no such wait)."""
+    if block is not None:
+        ends = range(block, prompt + pad + block, block)
+        checks = {max(0, min(end, prompt + pad) - pad) for end in ends}
+        wait = 0
+    else:
+        wait = prompt if compress_prefill else prompt + interval
+        checks = {wait}
+    checks |= set(range(prompt + interval, fed + 1, interval))
+    compressed = rest = peak = after = 0
+    for n in range(1, fed + 1):
         rest += n > S
-        peak = max(peak, min(n, S) + compressed + rest)
-        if rest >= 2 * L:
+        held = min(n, S) + compressed + rest
+        peak = max(peak, held)
+        if n > wait:
+            after = max(after, held)
+        if n in checks and rest >= 2 * L:
             done = rest // L - 1
             compressed += done * min(k, L)
             rest -= done * L
-    return peak
+    return peak, after
+
+
+def one_at_a_time(S: int, L: int, k: int, n_total: int) -> int:
+    """The true peak of a row fed one token at a time, each one checked (``simulate``)."""
+    return simulate(S, L, k, n_total)[0]
+
+
+FEEDS = {  # Policy schedule settings -> the engine's checks (kvsieve.policy.Feed)
+    "whole prompt": {},
+    "interval 3": {"interval": 3},
+    "blocks of 16": {"prefill_block": 16},  # gcd(S, L) on the grid: Sec. 3.4's chunks
+    "blocks of 5, no prefill compression": {"prefill_block": 5, "compress_prefill": False},
+    "prompt left until decode step 2": {"compress_prefill": False, "interval": 2},
+}
+
+
+def rows(prompt: int, horizon: int) -> list[tuple[int, int, int]]:
+    """(prompt, left padding, tokens fed) of a batch's longest row and of shorter, padded ones."""
+    return [(prompt - d, d, horizon - d) for d in sorted({0, 1, 7, 13, prompt // 3}) if d < prompt]
+
+
+def simulate_rows(scorer, policy, prompt, horizon) -> list[tuple[int, int, int]]:
+    """(prompt, peak, peak after the whole prompt's wait) of every row of ``rows``."""
+    S, L, k = scorer.sinks, scorer.lag, scorer.kept
+    feed = policy.feed(prompt)
+    return [(p, *simulate(S, L, k, fed, p, pad, feed.block, feed.interval, feed.compress_prefill))
+            for p, pad, fed in rows(prompt, horizon)]
+
+
+def test_scheduled_peak_bounds_every_simulated_row_and_is_exact_one_token_at_a_time():
+    """``scheduled_peak`` against the simulator over random small settings and every feed: no
+    row, padded or not, shorter prompt or not, holds more once its whole prompt is compressed;
+    fed one token at a time (the paper's recursion) it is the true peak."""
+    g = random.Random(0)
+    for _ in range(400):
+        S, L = g.choice([0, 2, 4, 16]), g.randint(2, 9)
+        k, horizon = g.randint(1, L), g.randint(1, S + 12 * L)
+        prompt = g.randint(1, horizon)
+        feed = Feed(prompt=prompt, block=g.choice([None, None, 1, 3, L, 2 * L + 1]), interval=g.randint(1, 4),
+                    compress_prefill=g.random() < 0.8)
+        bound = scheduled_peak(S, L, k, horizon, feed)
+        assert bound >= peak_tokens(S, L, k, horizon)  # a schedule never lowers the one-at-a-time peak
+        for p, pad, fed in rows(prompt, horizon):
+            peak, after = simulate(S, L, k, fed, p, pad, feed.block, feed.interval, feed.compress_prefill)
+            assert after <= bound and peak <= max(bound, feed.held), (S, L, k, horizon, feed, p, pad)
+        exact = one_at_a_time(S, L, k, horizon)
+        assert scheduled_peak(S, L, k, horizon, Feed()) == exact == peak_tokens(S, L, k, horizon)
 
 
 PAPER_GRID = [(L, r) for L in (128, 512, 1024) for r in (1 / 2, 1 / 4, 1 / 6, 1 / 8)]  # Sec. 3.1, S = 16
-# (budget, horizon): 12 pairs below S + 2L = 272 or where the grid cannot use 80% of the budget
-# (off the grid), 8 where a Sec. 3.1 setting can; issue 28's case is (128, 700)
-FIT_PAIRS = [(64, 100), (64, 200), (100, 700), (128, 300), (128, 700), (128, 1100), (200, 662), (256, 700),
-             (256, 1500), (256, 4096), (300, 1000), (400, 900), (512, 662), (512, 1100), (512, 2000), (700, 2000),
-             (1000, 4096), (1024, 1100), (2048, 4096), (3000, 8192)]
+# (budget, horizon): issue 35's 4 x 4 (budgets 64-512 against horizons 300-8000), its (64, 900), and
+# budgets below the grid, on it (some filling 80% of the budget, (461, 700) not) and at least the horizon
+ISSUE_PAIRS = [(b, h) for b in (64, 128, 256, 512) for h in (300, 700, 2000, 8000)]
+FIT_PAIRS = ISSUE_PAIRS + [(64, 900), (64, 100), (100, 700), (200, 662), (300, 1000), (320, 700), (340, 900),
+                           (400, 1300), (461, 700), (512, 662), (700, 2000), (1000, 4096), (1024, 1100),
+                           (2048, 4096), (3000, 8192), (5000, 4096)]
 
 
+def smallest_named(err) -> int:
+    return int(re.search(r"the smallest budget that fits is (\d+);", str(err)).group(1))
+
+
+@pytest.mark.parametrize("off_grid", [False, True])
 @pytest.mark.parametrize("budget,horizon", FIT_PAIRS)
-def test_budget_fit_peak_uses_80_to_100_percent_of_the_budget_and_stays_in_the_paper_grid_when_it_can(budget, horizon):
-    """kvsieve's budget rule, checked by simulating the partition schedule: the peak is within the
-    budget and uses at least 80% of it; a Sec. 3.1 (L, r) is chosen whenever one can do that (and
-    then the one with the largest rL, Sec. 3.3), and a fit off the grid says so."""
-    scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
+def test_budget_fit_never_exceeds_the_budget_and_leaves_the_grid_only_when_asked(budget, horizon, off_grid):
+    """kvsieve's budget rule against the simulator: a fit's peak, one token at a time, is within
+    the budget; a Sec. 3.1 setting is chosen whenever one fits (the one of largest rL among those
+    filling 80% of the budget, Sec. 3.3); off the grid only with off_grid; a budget nothing fits
+    is refused, naming the smallest budget the simulator says fits."""
+    policy = make_policy("lagkv", budget=budget, off_grid=off_grid)
+    true_peak = {(L, r): one_at_a_time(16, L, max(1, round(r * L)), horizon) for L, r in PAPER_GRID}
+    fits = [max(1, round(r * L)) for (L, r), p in true_peak.items() if p <= budget]
+    fills = [max(1, round(r * L)) for (L, r), p in true_peak.items() if 0.8 * budget <= p <= budget]
+    try:
+        scorer = policy.for_horizon(horizon).scorer
+    except ValueError as err:
+        assert horizon > budget and not fits and "lagkv: budget" in str(err) and "\n" not in str(err)
+        least = smallest_named(err)
+        if not off_grid:
+            assert "set off_grid=true" in str(err) and least == min(horizon, *true_peak.values())
+        else:
+            assert "even off the paper's grid" in str(err)
+            fitted = make_policy("lagkv", budget=least, off_grid=True).for_horizon(horizon).scorer
+            assert one_at_a_time(16, fitted.lag, fitted.kept, horizon) <= least
+        with pytest.raises(ValueError):
+            make_policy("lagkv", budget=least - 1, off_grid=off_grid).for_horizon(horizon)
+        return
+    if horizon <= budget:
+        assert scorer.ratio == 1 and "nothing has to go" in scorer.fit_note
+        return
     S, L, k = scorer.sinks, scorer.lag, scorer.kept
-    assert S == 16 and k == max(1, round(scorer.ratio * L)) and 1 <= k < L
-    peak = simulated_peak(S, L, k, horizon)
-    assert 0.8 * budget <= peak <= budget, (L, k, peak)
-    grid = {(gL, r): max(1, round(r * gL)) for gL, r in PAPER_GRID}
-    usable = [gk for (gL, r), gk in grid.items() if 0.8 * budget <= simulated_peak(S, gL, gk, horizon) <= budget]
-    on_grid = L in (128, 512, 1024) and any(math.isclose(scorer.ratio, r) for r in (1 / 2, 1 / 4, 1 / 6, 1 / 8))
-    assert scorer.in_paper_grid == on_grid == bool(usable)
-    if usable:
-        assert k == max(usable) and "Sec. 3.1 grid" in scorer.fit_note
+    peak = one_at_a_time(S, L, k, horizon)
+    assert S == 16 and 1 <= k < L and peak <= budget and f"peaks at {peak} tokens" in scorer.fit_note
+    if fills or (fits and not off_grid):
+        assert scorer.in_paper_grid and k == max(fills or fits) and "Sec. 3.1 grid" in scorer.fit_note
+        assert ("under 0.8 * budget" in scorer.fit_note) == (not fills)
     else:
-        assert "OFF the paper's grid" in scorer.fit_note
-    assert f"peaks at {peak} tokens" in scorer.fit_note
+        assert off_grid and not scorer.in_paper_grid and "OFF the paper's grid" in scorer.fit_note
 
 
-def test_fit_pairs_cover_both_sides_of_the_grid():
-    """The 20 pairs exercise the rule on and off the grid (by simulation, not by the fit)."""
-    usable = [any(0.8 * b <= simulated_peak(16, L, max(1, round(r * L)), h) <= b for L, r in PAPER_GRID)
-              for b, h in FIT_PAIRS]
-    assert len(FIT_PAIRS) == 20 and 5 <= usable.count(True) <= 15 and all(h > b for b, h in FIT_PAIRS)
+def test_fit_pairs_cover_the_grid_below_on_and_within_the_horizon():
+    """By simulation, not by the fit: pairs no grid setting fits, pairs where one fills 80% of the
+    budget, one where the grid fits without filling it (461, 700), and horizons within the budget."""
+    def state(budget, horizon):
+        if horizon <= budget:
+            return "within"
+        peaks = [one_at_a_time(16, L, max(1, round(r * L)), horizon) for L, r in PAPER_GRID]
+        if any(0.8 * budget <= p <= budget for p in peaks):
+            return "fills"
+        return "under-fills" if min(peaks) <= budget else "below"
+
+    counts = Counter(state(*pair) for pair in FIT_PAIRS)
+    assert counts["below"] >= 10 and counts["fills"] >= 6 and counts["under-fills"] >= 1 and counts["within"] >= 1
 
 
-@pytest.mark.parametrize("budget,horizon", [(256, 200), (1000, 700), (5000, 4096)])
-def test_budget_fit_at_a_horizon_within_the_budget_compresses_nothing(budget, horizon):
-    scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
-    assert simulated_peak(scorer.sinks, scorer.lag, scorer.kept, horizon) == horizon
-    assert scorer.ratio == 1 and not scorer.in_paper_grid and "nothing has to go" in scorer.fit_note
+@pytest.mark.parametrize("feed", list(FEEDS))
+@pytest.mark.parametrize("budget,horizon", [(64, 900), (128, 700), (340, 900), (461, 700), (512, 2000), (1024, 4096)])
+def test_budget_fit_holds_on_every_schedule_for_every_row_of_a_padded_batch(budget, horizon, feed):
+    """Prefill blocks (Sec. 3.4), a decode interval, a prompt left until decoding: every row of a
+    left-padded batch (shorter prompts, padding shifting where its partitions end within a
+    block) stays within the budget once its whole prompt is compressed, and holds no more than
+    that prompt before; or the budget is refused, and the one it names fits."""
+    prompt = horizon // 3
+    for off_grid in (False, True):
+        policy = make_policy("lagkv", budget=budget, off_grid=off_grid, **FEEDS[feed])
+        try:
+            scorer = policy.for_horizon(horizon, prompt).scorer
+        except ValueError as err:
+            least = smallest_named(err)
+            policy = make_policy("lagkv", budget=least, off_grid=off_grid, **FEEDS[feed])
+            scorer = policy.for_horizon(horizon, prompt).scorer
+            budget_checked = least
+        else:
+            budget_checked = budget
+        held = policy.feed(prompt).held
+        for p, peak, after in simulate_rows(scorer, policy, prompt, horizon):
+            assert after <= budget_checked and peak <= max(budget_checked, held), (off_grid, p, peak, after)
+        if held > budget_checked:
+            assert f"so the run peaks at {held}, over the budget" in scorer.fit_note
 
 
-def test_budget_fit_that_cannot_stay_within_the_budget_says_so_with_the_smallest_peak():
-    budget, horizon = 40, 300
-    scorer = make_policy("lagkv", budget=budget).for_horizon(horizon).scorer
-    peak = simulated_peak(scorer.sinks, scorer.lag, scorer.kept, horizon)
-    smallest = min(simulated_peak(16, L, 1, horizon) for L in range(2, horizon))
-    assert scorer.kept == 1 and peak == smallest > budget
-    assert not scorer.in_paper_grid and "OVER the budget" in scorer.fit_note and f"{peak} tokens" in scorer.fit_note
+def test_below_the_grid_is_refused_with_the_smallest_budget_that_fits():
+    """Issue 35: lagkv@64 at horizon ~900 ran off the grid and over its budget (peak 98)."""
+    message = ("lagkv: budget 64 at horizon 900 fits no setting of the paper's grid (Sec. 3.1, S=16); the smallest "
+               "budget that fits is 340; raise --budget, or set off_grid=true to fit L and r outside the grid")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_policy("lagkv", budget=64).for_horizon(900)
+    with pytest.raises(ValueError, match=re.escape(
+            "lagkv: budget 64 at horizon 900 fits no setting even off the paper's grid (one token kept per partition "
+            "at least, S=16); the smallest budget that fits is 98; raise --budget or generate fewer tokens")):
+        make_policy("lagkv", budget=64, off_grid=True).for_horizon(900)
+    assert min(one_at_a_time(16, L, 1, 900) for L in range(2, 443)) == 98  # brute force over every L
+    for horizon, least in [(700, 320), (900, 340), (1300, 400)]:  # the smallest grid budgets (module docstring)
+        assert make_policy("lagkv", budget=least).for_horizon(horizon).scorer.in_paper_grid
+        with pytest.raises(ValueError, match=f"the smallest budget that fits is {least};"):
+            make_policy("lagkv", budget=least - 1).for_horizon(horizon)
+    with pytest.raises(ValueError, match="off_grid must be true or false"):
+        make_policy("lagkv", off_grid="yes")
 
 
 def test_hand_settings_are_flagged_against_the_grid_and_the_fit_fields_are_fitted_per_batch():
@@ -308,11 +436,14 @@ def test_hand_settings_are_flagged_against_the_grid_and_the_fit_fields_are_fitte
     assert not make_policy("lagkv", lag=32).scorer.in_paper_grid
     assert not make_policy("lagkv", ratio=0.3).scorer.in_paper_grid
     assert not make_policy("lagkv", in_paper_grid=True, lag=64).scorer.in_paper_grid  # derived, never taken
-    settings = make_policy("lagkv", budget=128).for_horizon(700).settings()
-    assert settings["in_paper_grid"] is False and "OFF the paper's grid" in settings["fit_note"]
+    settings = make_policy("lagkv", budget=128, off_grid=True).for_horizon(700).settings()
+    assert settings["in_paper_grid"] is False and settings["off_grid"] is True
+    assert "OFF the paper's grid" in settings["fit_note"] and "failing regime" in settings["fit_note"]
     assert {"lag", "ratio", "in_paper_grid", "fit_note"} <= set(LagKV.fitted_fields)  # resume compares the rest
+    assert "off_grid" not in LagKV.fitted_fields  # a setting of the cell, compared on resume
     with pytest.raises(ValueError, match="min_fill"):
         make_policy("lagkv", min_fill=1.5)
+
 
 
 # ============================================================================ end to end (bundled model)
@@ -349,18 +480,94 @@ def test_long_row_compresses_without_attention_weights_short_row_is_untouched(sm
     assert result.stats[1].compression_events >= 1
 
 
-def test_a_fitted_run_on_the_bundled_model_peaks_within_80_to_100_percent_of_the_budget(smollm):
+def test_an_off_grid_fit_on_the_bundled_model_peaks_within_80_to_100_percent_of_the_budget(smollm):
     """The engine's own peak count (every layer, before each compaction) for a budget fit off the
-    grid: the prompt (38 tokens) is below the budget, so only the partition schedule sets the peak."""
+    grid (asked for: 64 is below it): the prompt (38 tokens) is below the budget, so only the
+    partition schedule sets the peak."""
     budget, new = 64, 40
-    result = generate(*smollm, [SHORT], make_policy("lagkv", budget=budget),
+    with pytest.raises(ValueError, match="set off_grid=true"):
+        generate(*smollm, [SHORT], make_policy("lagkv", budget=budget), GenerateConfig(max_new_tokens=new))
+    result = generate(*smollm, [SHORT], make_policy("lagkv", budget=budget, off_grid=True),
                       GenerateConfig(max_new_tokens=new, ignore_eos=True))
     stat, settings = result.stats[0], result.settings
     fed = stat.prompt_tokens + new - 1
     assert stat.prompt_tokens < budget and settings["in_paper_grid"] is False
     S, L = settings["sinks"], settings["lag"]
-    expected = simulated_peak(S, L, max(1, round(settings["ratio"] * L)), fed)
+    expected = one_at_a_time(S, L, max(1, round(settings["ratio"] * L)), fed)
     assert 0.8 * budget <= expected <= budget
     n_kv = smollm[0].config.num_key_value_heads
     assert stat.peak_kv_tokens == [n_kv * expected] * len(stat.peak_kv_tokens)
     assert stat.compression_events >= 2
+
+
+# ============================================================================ the engine's own peak
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A two-layer random Llama (2 kv heads) over byte tokens: the engine's bookkeeping, in seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=258, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = ByteTokenizer.eos_token_id
+    return model, ByteTokenizer()
+
+
+# (schedule settings, prompt tokens of a left-padded batch of two, new tokens, budget: None = the
+# smallest that fits, read from the refusal of budget 64)
+ENGINE_RUNS = {
+    "grid, whole prompts": ({}, (120, 70), 580, None),  # horizon 700: L 128, r 1/8 at 320
+    "grid, a prompt over the budget": ({}, (400, 200), 300, None),  # the prompt is the peak (fit_note says so)
+    "grid, interval 3": ({"interval": 3}, (150, 100), 550, None),
+    # row 1's partition falls due 15 tokens before a block ends (padding 17): one token at a time
+    # it would peak at 288, here at 288 + 15 = 303, the bound the fit allows for blocks of 16
+    "grid, Sec. 3.4 blocks, prompts over the budget": ({"prefill_block": 16}, (440, 423), 20, None),
+    "off the grid": ({"off_grid": True}, (40, 25), 300, 96),
+}
+
+
+@pytest.mark.parametrize("run", list(ENGINE_RUNS))
+def test_the_engine_peak_per_kv_head_is_the_simulated_one_within_the_budget(tiny, run):
+    """``kvsieve.generate``'s measured peak (live tokens per layer, before every compaction and
+    prefill block) against the simulator, row by row, for a fitted setting: each row of the
+    padded batch peaks exactly where the simulator says, and within the budget once its whole
+    prompt is compressed (before that it holds the prompt, as every method does)."""
+    model, tok = tiny
+    settings, prompts, new, budget = ENGINE_RUNS[run]
+    horizon, longest = max(prompts) + new, max(prompts)
+    if budget is None:
+        with pytest.raises(ValueError) as refused:
+            make_policy("lagkv", budget=64, **settings).for_horizon(horizon, longest)
+        budget = smallest_named(refused.value)
+    policy = make_policy("lagkv", budget=budget, **settings)
+    config = GenerateConfig(max_new_tokens=new, ignore_eos=True)
+    result = generate(model, tok, ["x" * n for n in prompts], policy, config)
+    scorer = policy.for_horizon(horizon, longest).scorer
+    assert result.settings["lag"] == scorer.lag and result.settings["fit_note"] == scorer.fit_note
+    assert result.settings["in_paper_grid"] == (not settings.get("off_grid", False))
+    feed, n_kv = policy.feed(longest), model.config.num_key_value_heads
+    S, L, k = scorer.sinks, scorer.lag, scorer.kept
+    for stat, p in zip(result.stats, prompts):
+        assert stat.prompt_tokens == p and stat.generated_tokens == new
+        peak, after = simulate(S, L, k, p + new - 1, p, longest - p, feed.block, feed.interval,
+                               feed.compress_prefill)  # the last new token is never fed
+        assert stat.peak_kv_tokens == [n_kv * peak] * model.config.num_hidden_layers
+        assert after <= budget and peak <= max(budget, p)
+        if feed.block is not None and p < longest:  # the structural reason the fit allows block - 1 more
+            assert peak == budget == peak_tokens(S, L, k, horizon) + feed.block - 1
+    if longest > budget and feed.block is None:
+        assert f"so the run peaks at {longest}, over the budget" in scorer.fit_note
+
+
+def test_perplexity_fits_the_budget_too(tiny):
+    """``score_text`` (teacher forcing: the first ``budget`` tokens at once, then one at a time)
+    fits L and r as ``generate`` does; it ran LagKV's defaults whatever the budget before."""
+    model, tok = tiny
+    text = "y" * 300
+    with pytest.raises(ValueError, match="set off_grid=true"):
+        score_text(model, tok, text, make_policy("lagkv", budget=64))
+    score = score_text(model, tok, text, make_policy("lagkv", budget=64, off_grid=True))
+    assert max(score.peak_kv_tokens) <= 64 * model.config.num_key_value_heads and score.compression_events > 0

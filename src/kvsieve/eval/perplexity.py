@@ -50,6 +50,7 @@ def score_text(model, tokenizer, text: str, policy: Policy | None = None, max_to
     ids_t = torch.tensor([ids], device=model.device)
     positions = torch.arange(len(ids), device=model.device)[None]
     prefill = len(ids) if policy.scorer is None else max(1, min(policy.budget or len(ids), len(ids)))
+    policy = policy.for_horizon(len(ids), prompt=prefill)  # LagKV at a budget, as in generate
     session = DecodeSession(model, policy, batch_size=1, horizon=len(ids))
     start = time.perf_counter()
     with session.attached(tokenizer):

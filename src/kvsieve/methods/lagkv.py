@@ -14,19 +14,36 @@ the first two layers whole.  No budget (``uses_budget`` False); never reads atte
 
 Comparisons at a token budget B (``make_policy("lagkv", budget=B)``): the paper has no budget
 rule, so ``fit_budget`` is kvsieve's.  It fits (L, r) to the run's horizon N (longest prompt +
-max new tokens) by the cache's peak over n = 1 .. N fed tokens (``peak_tokens``: Eq. 10 after
-each compression and S + k(q - 2) + 2L tokens the moment one falls due, q = floor((n - S)/L)):
+max new tokens) by the cache's peak: the most tokens a row holds at the engine's compression
+checks (``scheduled_peak``).  Fed one token at a time that is ``peak_tokens``: Eq. (10) after
+each compression and S + k(q - 2) + 2L the moment one falls due, q = floor((n - S)/L).  The
+engine checks less often: after each prefill block (``prefill_block`` c, Sec. 3.4) and every
+``interval`` decode steps, so a compression that falls due between two checks waits for the
+next and the peak grows by up to c - 1 (resp. interval - 1) tokens; with the defaults (whole
+prompt, interval 1) it does not.  The one moment a fit cannot bound is the whole prompt, held
+until its compression after prefill (Sec. 3.1) as with every method that compresses after
+prefill: a prompt longer than B is the run's peak, and ``fit_note`` says so.  Layers a variant
+never compresses (``lagkv-l2``'s first two) hold every token; the fit bounds the others.
 
 1. N <= B: nothing has to go; r = 1 (no compression).
 2. Sec. 3.1's grid, L in {128, 512, 1024} and r in {1/2, 1/4, 1/6, 1/8} (S = 16 in the paper):
    among the settings whose peak is at most B and at least ``min_fill`` * B, the largest rL
    (Sec. 3.3 / Fig. 2: the method fails when rL is small), then the fuller peak, then larger L.
-3. Otherwise off the grid, said so in ``fit_note`` and ``in_paper_grid`` (False; both in the
-   policy's settings and every result row): any L with S + 2L <= B and the largest integer
-   k = rL that keeps the peak within B, ranked as in 2.  Below B = S + 2 * 128 = 272 no grid
-   setting fits: each compresses nothing until it holds S + 2L >= 272 tokens.
-4. When even k = 1 cannot stay within B (N far beyond B), the smallest peak that k = 1 allows;
-   the run exceeds B and ``fit_note`` says by how much (result rows carry ``peak_kv_tokens``).
+   When settings fit but none fills ``min_fill`` * B, the same rule over those that fit (the
+   grid kept, ``fit_note`` says it under-fills), unless ``off_grid`` finds a fuller one in 3.
+3. ``off_grid`` only (kvsieve's extension, False by default): any L with S + 2L <= B and the
+   largest integer k = rL that keeps the peak within B, ranked as in 2.  ``fit_note`` and
+   ``in_paper_grid`` (False; both in the policy's settings and every result row) say so.
+   Below the grid such fits keep a few tokens per partition: rL under the grid's smallest
+   (16), the regime Sec. 3.3 and Fig. 2 find failing.
+4. Otherwise a ValueError that names the smallest budget that fits at this horizon: in the
+   grid (raise the budget, or set ``off_grid``), or with ``off_grid`` off it (at least one
+   token kept per partition).  No setting is ever fitted over B.
+
+The smallest grid setting, L = 128 and r = 1/8 (k = 16), holds S + 2L = 272 tokens before it
+first compresses, so no budget under 272 fits the grid, and the least that does grows by about
+16 tokens per 128 of horizon: 320 at N = 700, 340 at N = 900, 400 at N = 1300 (S = 16, the
+default schedule).
 
 Schedule: by default compress after the whole prompt (Sec. 3.1), then whenever a partition
 completes while decoding.  Chunked prefill (Sec. 3.4: chunks of S + 2L, then L):
@@ -37,12 +54,13 @@ compression falls due: the paper's schedule for unpadded rows.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..policy import Scorer, check_choice, register
+from ..policy import Feed, Scorer, check_choice, register
 from ._lag import DueTable, find_tail, gather_partitions, lag_score, to_slots
 
 PAPER_LAGS = (128, 512, 1024)  # Sec. 3.1 "Parameter Spaces": L = 128, 512 and 1024
@@ -68,18 +86,28 @@ def peak_tokens(sinks: int, lag: int, kept: int, horizon: int) -> int:
     return max(sinks + kept * (q - 2) + 2 * lag, sinks + kept * (q - 1) + lag + m)
 
 
-def _largest_kept(sinks: int, lag: int, budget: int, horizon: int) -> int:
-    """The largest k in [1, L) whose ``peak_tokens`` is at most ``budget``, or 0 if none is
-    (``horizon`` > ``budget``: k = L, no compression, never fits)."""
-    if horizon < sinks + 2 * lag:  # never compressed: the peak is the horizon
-        return 0
-    q, m = divmod(horizon - sinks, lag)  # q >= 2
-    k = min(lag - 1, (budget - sinks - lag - m) // (q - 1))  # Eq. (10) at the horizon
-    if q > 2:
-        k = min(k, (budget - sinks - 2 * lag) // (q - 2))  # the moment of the last compression
-    elif sinks + 2 * lag > budget:
-        return 0
-    return max(k, 0)
+def scheduled_peak(sinks: int, lag: int, kept: int, horizon: int, feed: Feed) -> int:
+    """Most tokens a row of at most ``horizon`` tokens holds under the engine's schedule ``feed``,
+    the whole prompt's wait for its first check (``feed.held``) apart: the bound ``fit_budget``
+    keeps within the budget, whatever the batch's other prompt lengths and padding.
+
+    A check compresses every partition due (Sec. 2.2's recursion: the cache after it has Eq.
+    (10)'s length whenever it comes), so between two checks at most ``burst`` tokens apart the
+    cache follows ``peak_tokens`` until a compression falls due and then grows by at most
+    ``burst`` - 1 tokens more before the next check comes.  Bursts are blocks of ``feed.block``
+    prompt tokens (Sec. 3.4; left padding shifts where a row's partitions end within a block,
+    so a padded row reaches the full ``block`` - 1 even when ``block`` divides S and L), then
+    ``feed.interval`` decode steps.  With the defaults (the prompt whole, interval 1) this is
+    ``peak_tokens``.  Never more than the row's own tokens; a row with a shorter prompt reaches
+    fewer tokens and so no higher (``peak_tokens`` only grows with n)."""
+
+    def checked_every(burst: int, n: int) -> int:
+        return min(n, peak_tokens(sinks, lag, kept, n) + burst - 1)
+
+    peak = checked_every(feed.interval, horizon)
+    if feed.block is not None:  # an unknown prompt (0) may run to the horizon
+        peak = max(peak, checked_every(feed.block, min(feed.prompt or horizon, horizon)))
+    return peak
 
 
 def _ratio_text(ratio: float) -> str:
@@ -110,10 +138,17 @@ class LagKV(Scorer):
     skip_layers : int, default 0
         The first ``skip_layers`` layers are never compressed (``lagkv-l2``: 2, App. A.2).
     min_fill : float, default 0.8
-        Budget fit only (module docstring): a Sec. 3.1 grid setting is taken only if its peak
-        uses at least this share of the budget; below it the fit leaves the grid (and says so).
-        kvsieve's choice, not the paper's (which has no budget): 0.8 is issue 28's bar for "uses
-        the budget" in budget-matched comparisons.
+        Budget fit only (module docstring, step 2): the grid settings whose peak uses at least
+        this share of the budget are preferred; when none does, the fit keeps the largest-rL
+        one that fits and says so in ``fit_note`` (with ``off_grid``, an off-grid setting that
+        does fill it is taken instead).  kvsieve's choice, not the paper's (which has no
+        budget): 0.8 is issue 28's bar for "uses the budget" in budget-matched comparisons.
+    off_grid : bool, default False
+        Budget fit only (module docstring, step 3): allow L and r outside Sec. 3.1's grid when
+        no grid setting fits the budget (or fills ``min_fill`` of it).  kvsieve's extension:
+        off-grid fits at small budgets keep a few tokens per partition, the small-rL regime
+        that Sec. 3.3 and Fig. 2 find failing, so a budget no grid setting fits is refused
+        unless this is set.
     in_paper_grid : bool, derived
         Whether (L, r) is one of Sec. 3.1's settings (L in {128, 512, 1024}, r in {1/2, 1/4, 1/6,
         1/8}); recomputed from ``lag`` and ``ratio`` (a value passed in is replaced).  In the
@@ -124,10 +159,12 @@ class LagKV(Scorer):
     """
 
     summary = ("attention-free: per-partition top r*L by K/V statistics relative to the next partition; "
-               "a --budget picks (L, r) from the paper's grid when one fits (else off-grid, flagged)")
+               "a --budget picks (L, r) from the paper's grid with its peak within the budget "
+               "(refused below the grid unless off_grid=true)")
     source = ("arXiv:2504.04704 Sec. 2.2, 3.1 (S=16, L in {128,512,1024}, r in {1/2..1/8}), App. A.2; "
-              "--budget B: kvsieve's fit (no rule in the paper): Sec. 3.1 grid with Eq. 10's peak in "
-              "[min_fill*B, B], else off-grid with in_paper_grid=False and fit_note in the rows")
+              "--budget B: kvsieve's fit (no rule in the paper): the Sec. 3.1 setting of largest rL whose "
+              "peak (Eq. 10 on the engine's schedule) is in [min_fill*B, B]; off the grid only with "
+              "off_grid=true (in_paper_grid=False and fit_note in the rows)")
     uses_budget = False
     default_protect_prompt = False  # Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
     fits_budget = True  # a budget is mapped to (L, r) by fit_budget
@@ -140,6 +177,7 @@ class LagKV(Scorer):
     statistic: str = "lag"
     skip_layers: int = 0
     min_fill: float = 0.8
+    off_grid: bool = False
     in_paper_grid: bool = True
     fit_note: str = ""
     _due: DueTable = field(default_factory=DueTable, init=False, repr=False, compare=False)
@@ -152,6 +190,8 @@ class LagKV(Scorer):
             raise ValueError(f"{self.name}: ratio r must be in (0, 1], got {self.ratio}")
         if not 0 <= self.min_fill <= 1:
             raise ValueError(f"{self.name}: min_fill must be in [0, 1], got {self.min_fill}")
+        if not isinstance(self.off_grid, bool):
+            raise ValueError(f"{self.name}: off_grid must be true or false, got {self.off_grid!r}")
         check_choice(self.reference, ("next", "self"), f"{self.name} reference")
         check_choice(self.statistic, ("lag", "key_norm"), f"{self.name} statistic")
         self.in_paper_grid = self.lag in PAPER_LAGS and any(math.isclose(self.ratio, r) for r in PAPER_RATIOS)
@@ -161,55 +201,81 @@ class LagKV(Scorer):
         """k: tokens kept per compressed partition (at least one)."""
         return kept_tokens(self.lag, self.ratio)
 
-    def fit_budget(self, budget: int, horizon: int) -> "LagKV":
-        """kvsieve's budget-to-(L, r) rule (module docstring, steps 1-4): S stays, L and r are
-        refitted, and ``fit_note`` / ``in_paper_grid`` say where they came from."""
+    def fit_budget(self, budget: int, horizon: int, feed: Feed = Feed()) -> "LagKV":
+        """kvsieve's budget-to-(L, r) rule (module docstring, steps 1-4) for rows of at most
+        ``horizon`` tokens fed as ``feed`` says: S stays, L and r are refitted, and ``fit_note``
+        / ``in_paper_grid`` say where they came from.  Raises a ValueError naming the smallest
+        budget that fits when none within ``budget`` does."""
         S = self.sinks
         if budget - S < 4:
             raise ValueError(f"{self.name}: budget {budget} leaves no room after {S} sinks; "
                              f"raise --budget to at least {S + 4} or lower sinks")
         over = f"budget {budget}, horizon {horizon} tokens, S={S}"
-        if horizon <= budget:  # step 1
+        if horizon <= budget:  # step 1 (kvsieve's: r = 1 is no compression, outside the grid but exact)
             return replace(self, ratio=1.0, fit_note=f"{over}: the horizon fits, nothing has to go (r = 1)")
-        least = self.min_fill * budget
-        grid = []  # step 2
-        for L in PAPER_LAGS:
-            for r in PAPER_RATIOS:
-                k = kept_tokens(L, r)
-                peak = peak_tokens(S, L, k, horizon)
-                grid.append((least <= peak <= budget, k, peak, L, r))
-        fits = [g[1:] for g in grid if g[0]]
-        if fits:
-            k, peak, L, r = max(fits)
+
+        def peak(L: int, k: int) -> int:
+            return scheduled_peak(S, L, k, horizon, feed)
+
+        least = self.min_fill * budget  # kvsieve's bar for using the budget (min_fill), not the paper's
+        grid = [(k, peak(L, k), L, r)  # Sec. 3.1's 12 settings
+                for L in PAPER_LAGS for r in PAPER_RATIOS for k in [kept_tokens(L, r)]]
+        within = [g for g in grid if g[1] <= budget]
+        full = [g for g in within if g[1] >= least]
+        off = self._off_grid_fits(budget, peak) if self.off_grid and not full else []
+        off_full = [c for c in off if c[1] >= least]
+        if within and not off_full:  # step 2: largest k = rL first (Sec. 3.3 / Fig. 2), then the peak, then L
+            k, top, L, r = max(full or within)
+            hint = "" if self.off_grid else "; off_grid=true may fit one off the grid that does"
+            short = "" if full else f" (under {self.min_fill:g} * budget: no grid setting fills it{hint})"
             return replace(self, lag=L, ratio=r, fit_note=(
-                f"{over}: Sec. 3.1 grid L={L}, r={_ratio_text(r)} (k={k}) peaks at {peak} tokens"))
-        within = [g[1:] for g in grid if g[2] <= budget]
-        if within:
-            k, peak, L, r = max(within, key=lambda g: g[1])
-            why = (f"the fullest grid setting (L={L}, r={_ratio_text(r)}) peaks at only {peak} "
-                   f"< {self.min_fill:g} * budget")
-        else:
-            why = "every grid setting peaks above the budget"
-            if budget < S + 2 * PAPER_LAGS[0]:
-                why += f" (each holds S + 2L >= {S + 2 * PAPER_LAGS[0]} tokens before it first compresses)"
-        off = []  # step 3: any L whose window fits, the largest k that keeps the peak within B
-        for L in range(2, (budget - S) // 2 + 1):
-            k = _largest_kept(S, L, budget, horizon)
-            if k:
-                off.append((k, peak_tokens(S, L, k, horizon), L))
-        full = [c for c in off if c[1] >= least]
-        if full or off:
-            k, peak, L = max(full) if full else max(off, key=lambda c: (c[1], c[0], c[2]))
-            short = "" if full else f" (below {self.min_fill:g} * budget: no setting fills it)"
+                f"{over}: Sec. 3.1 grid L={L}, r={_ratio_text(r)} (k={k}) peaks at {top} tokens{short}"
+                f"{self._prompt_note(budget, top, feed)}"))
+        if off:  # step 3; deviation: the paper only runs Sec. 3.1's grid, this leaves it when asked (off_grid)
+            k, top, L = max(off_full) if off_full else max(off, key=lambda c: (c[1], c[0], c[2]))
+            why = ("no grid setting fits the budget" if not within else
+                   f"no grid setting fills {self.min_fill:g} * budget")
+            small = (f"; rL = {k} is under the grid's smallest (16), Sec. 3.3 / Fig. 2's failing regime"
+                     if k < 16 else "")
+            short = "" if off_full else f" (under {self.min_fill:g} * budget: no setting fills it)"
             return replace(self, lag=L, ratio=k / L, fit_note=(
-                f"{over}: OFF the paper's grid, {why}; kvsieve's fit L={L}, k={k} (r={k}/{L}) "
-                f"peaks at {peak} tokens{short}"))
-        # step 4: no k >= 1 keeps the peak within B; the L with the smallest peak at k = 1
-        peak, L = min((peak_tokens(S, L, 1, horizon), -L) for L in range(2, (horizon - S) // 2 + 1))
-        L = -L
-        return replace(self, lag=L, ratio=1 / L, fit_note=(
-            f"{over}: OFF the paper's grid and OVER the budget: no setting keeps the peak within it "
-            f"(one token per partition at least); L={L}, k=1 peaks at {peak} tokens, the fewest possible"))
+                f"{over}: OFF the paper's grid (off_grid), {why}; kvsieve's fit L={L}, k={k} (r={k}/{L}) "
+                f"peaks at {top} tokens{short}{small}{self._prompt_note(budget, top, feed)}"))
+        # step 4: nothing fits; name the smallest budget that does at this horizon
+        if not self.off_grid:
+            least_grid = min(horizon, min(g[1] for g in grid))
+            raise ValueError(
+                f"{self.name}: budget {budget} at horizon {horizon} fits no setting of the paper's grid (Sec. 3.1, "
+                f"S={S}); the smallest budget that fits is {least_grid}; raise --budget, or set off_grid=true "
+                "to fit L and r outside the grid")
+        least_any = min(horizon, min(peak(L, 1) for L in range(2, (horizon - S) // 2 + 1)))
+        raise ValueError(
+            f"{self.name}: budget {budget} at horizon {horizon} fits no setting even off the paper's grid (one token "
+            f"kept per partition at least, S={S}); the smallest budget that fits is {least_any}; raise --budget "
+            "or generate fewer tokens")
+
+    def _off_grid_fits(self, budget: int, peak) -> list[tuple[int, int, int]]:
+        """Step 3's candidates (k, peak, L): every L whose first compression fits (S + 2L <= B)
+        with the largest k in [1, L) whose peak is within the budget (the peak only grows with k)."""
+        fits = []
+        for L in range(2, (budget - self.sinks) // 2 + 1):
+            k = bisect.bisect_right(range(1, L), budget, key=lambda kept: peak(L, kept))  # ks 1 .. k fit
+            if k:
+                fits.append((k, peak(L, k), L))
+        return fits
+
+    @staticmethod
+    def _prompt_note(budget: int, peak: int, feed: Feed) -> str:
+        """``fit_note``'s word on the one moment the fit does not bound: the whole prompt, held
+        until its compression after prefill (Sec. 3.1), when it outgrows the fitted peak."""
+        if feed.held <= peak:
+            return ""
+        note = (f"; the longest prompt ({feed.prompt} tokens) is held whole until its compression after prefill "
+                f"(Sec. 3.1), so the run peaks at {feed.held}")
+        if feed.held > budget:
+            note += (", over the budget as with every method that compresses after prefill (prefill_block "
+                     "compresses it chunk by chunk, Sec. 3.4)")
+        return note
 
     @property
     def paper_prefill_chunk(self) -> int:
