@@ -162,13 +162,14 @@ def test_static_shapes_fix_every_address_while_decoding_and_change_no_token(smol
     settings = {"lazy": {"window": 8}, "snapkv": {"window": 8, "interval": 4}}.get(method, {})
     policy = make_policy(method, budget=None if method == "full" else 24, **settings)
     seen = []
-    original = session_module.decode_step
+    original = session_module.model_pass
 
-    def spy(model, cache, *args):
-        seen.append(tuple(layer.storage() for layer in cache.layers))
-        return original(model, cache, *args)
+    def spy(model, cache, tokens, query_pos, *args):
+        if query_pos is None:  # a decode step
+            seen.append(tuple(layer.storage() for layer in cache.layers))
+        return original(model, cache, tokens, query_pos, *args)
 
-    monkeypatch.setattr(session_module, "decode_step", spy)
+    monkeypatch.setattr(session_module, "model_pass", spy)
     static = tokens(smollm, [SHORT, LONG], policy, n=32, ignore_eos=True, static_shapes=True)
     # lazy keeps the prompt (longer than the budget) whole until its first compression at step W,
     # whose compaction to budget + W reallocates once; every other storage is fixed from step 1

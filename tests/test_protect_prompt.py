@@ -11,7 +11,8 @@ import torch
 from kvsieve import GenerateConfig, generate, make_policy
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import SCORERS, WRAPPERS, describe_methods
-from kvsieve.policy import compress, drop_dead
+from kvsieve.policy import drop_dead_layer
+from kvsieve.schedule import Schedule
 
 SHORT = "What is 7 times 8?"
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "
@@ -70,7 +71,8 @@ def _prefilled(policy, prompts, D=4, H=2):
     cache.begin_step(pos)
     cache.update(keys, values, 0)
     cache.seen_tokens = (pos != DEAD_POS).sum(dim=1)
-    drop_dead(cache, headroom=policy.interval)
+    for layer in cache.layers:
+        drop_dead_layer(layer, headroom=policy.interval)
     if policy.protect_prompt:
         cache.set_prompt(cache.seen_tokens)
     return cache, gens
@@ -85,7 +87,7 @@ def _decode(cache, policy, budget, steps, gens, check):
                      torch.stack([torch.randn(H, 1, D, generator=g) for g in gens]), 0)
         cache.seen_tokens += 1
         if step % policy.interval == 0:
-            compress(cache, policy, [budget])
+            Schedule(policy, cache, 1 << 20, budgets=[budget]).compress()
         check(cache, step)
 
 
@@ -123,7 +125,7 @@ def test_without_protection_prompt_and_output_share_the_budget():
     budget, prompts = 5, [3, 11, 7]
     policy = make_policy("knorm", budget=budget, recent=1, interval=2, protect_prompt=False)
     cache, gens = _prefilled(policy, prompts)
-    compress(cache, policy, [budget])  # the prompt's compression (compress_prefill)
+    Schedule(policy, cache, 1 << 20, budgets=[budget]).compress()  # the prompt's compression (compress_prefill)
 
     def check(cache, step):
         if step % policy.interval == 0:

@@ -1,6 +1,7 @@
 """kvsieve: bounded KV caches for long generation with Hugging Face models."""
 
 from . import attention  # noqa: F401  (registers the "kvsieve" attention implementation)
+from . import hf  # noqa: F401  (serves SieveCache.for_model)
 from .cache import SieveCache, SieveLayer
 from .generate import GenerateConfig, GenerationResult, RowStats, generate
 from .methods import make_policy, method_names

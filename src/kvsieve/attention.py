@@ -91,20 +91,6 @@ def cache_kwargs(model, cache: SieveCache) -> dict:
     return {cache_kwarg_name(model): cache, "use_cache": True}
 
 
-def forward_step(model, cache: SieveCache, input_ids: torch.Tensor, query_pos: torch.Tensor, observer,
-                 cache_kw: str, logits_to_keep: int = 1) -> torch.Tensor:
-    """One forward pass over the tokens in flight ([B, T] at positions ``query_pos``, DEAD_POS
-    on padding), appending their K/V; the caller has made room (``cache.prepare``) and counts
-    them after (``cache.advance``).  Returns the last position's logits [B, V] (all positions',
-    [B, T, V], with ``logits_to_keep=0``)."""
-    cache.begin_step(query_pos)
-    state = StepState(cache=cache, query_pos=query_pos, observer=observer)
-    rope_pos = query_pos.masked_fill(query_pos == DEAD_POS, 0)  # padding: any finite position
-    out = model(input_ids=input_ids, position_ids=rope_pos, **{cache_kw: cache}, use_cache=True,
-                logits_to_keep=logits_to_keep, kvsieve=state)
-    return out.logits[:, -1] if logits_to_keep == 1 else out.logits
-
-
 def check_supported(model) -> None:
     """Raise a clear error for a model kvsieve cannot drive."""
     config = model.config

@@ -33,7 +33,7 @@ upper bound on ``lengths.max()`` kept without reading the device.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -424,6 +424,16 @@ class SieveLayer(CacheLayerMixin):
         return self.capacity + query_length, 0
 
 
+# What serves ``SieveCache.for_model``: ``kvsieve.hf`` registers it when imported (``import
+# kvsieve`` does), so the core cache knows neither the methods nor transformers' generate loop.
+_FOR_MODEL: list[Callable[..., "SieveCache"]] = []
+
+
+def serve_for_model(factory: Callable[..., "SieveCache"]) -> None:
+    """Register the function behind ``SieveCache.for_model`` (called by ``kvsieve.hf``)."""
+    _FOR_MODEL[:] = [factory]
+
+
 class SieveCache(Cache):
     """A cache of ``SieveLayer`` objects plus each row's true position.
 
@@ -485,14 +495,9 @@ class SieveCache(Cache):
         ``budget`` (``settings`` as in ``make_policy``; or a ready ``policy``).  It switches ``model``
         to kvsieve's attention and serves one call; ``horizon`` (prompt + new tokens) is needed
         only by methods that size themselves to the row (LagKV).  See ``kvsieve.hf``."""
-        from .hf import ScheduledCache
-        from .methods import make_policy
-
-        if policy is None:
-            policy = make_policy(method, budget, **settings)
-        elif settings or budget is not None or method != "full":
-            raise ValueError("pass either policy= or method/budget/settings to SieveCache.for_model, not both")
-        return ScheduledCache.for_generate(model, policy, horizon=horizon, tokenizer=tokenizer)
+        if not _FOR_MODEL:
+            raise RuntimeError("SieveCache.for_model is served by kvsieve.hf: import kvsieve (or kvsieve.hf) first")
+        return _FOR_MODEL[0](model, method, budget, policy=policy, horizon=horizon, tokenizer=tokenizer, **settings)
 
     def prepare(self, T: int) -> bool:
         """Make room for ``T`` more tokens in every layer (host-side); True if any layer grew."""

@@ -39,8 +39,9 @@ import contextlib
 import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, check_supported, set_scheduled_step
-from .cache import DEAD_POS, SieveCache
-from .policy import Policy, compress_layer, drop_dead_layer, set_prompt_bounds
+from .cache import DEAD_POS, SieveCache, serve_for_model
+from .policy import Policy
+from .schedule import Schedule
 
 _NO_REORDER = ("kvsieve caches keep per-row eviction state and cannot reorder, crop or copy rows, which beam "
                "search, assisted decoding and contrastive search need: use num_beams=1 without an assistant "
@@ -69,9 +70,7 @@ class ScheduledCache(SieveCache):
     docstring).  Build it with ``SieveCache.for_model``."""
 
     policy: Policy
-    budgets: list[int | None]  # per layer (None: never compressed)
-    horizon: int  # most tokens a row holds (capacity hints)
-    block: int | None  # block-wise prefill eviction's block: the prompt must fit in one
+    schedule: Schedule  # when each layer compresses; its block (block-wise prefill) must hold the prompt
     passes: int = 0  # forward passes opened
     steps: int = 0  # decode steps finished (the session's ``steps``)
     tokens_in: int = 0  # tokens passed in per row, padding included: what get_seq_length answers
@@ -93,10 +92,8 @@ class ScheduledCache(SieveCache):
         policy = policy.for_horizon(horizon)  # the prompt is not seen yet: LagKV's fit does without it
         num_layers = model.config.num_hidden_layers
         cache = cls.for_policy(policy, num_layers, horizon, managed=False)
-        cache.horizon = horizon
         cache.policy = policy
-        cache.budgets = policy.layer_budgets(num_layers)
-        cache.block = policy.prefill_block_size()
+        cache.schedule = Schedule(policy, cache, horizon)
         cache._hooks = contextlib.ExitStack()  # the scorer's per-call set-up (e.g. RoPE frequencies), for the cache's life
         if policy.scorer is not None:
             cache._hooks.enter_context(policy.scorer.attach(model, tokenizer))
@@ -107,16 +104,16 @@ class ScheduledCache(SieveCache):
     def _open_pass(self, key_states: torch.Tensor, forward_kwargs: dict) -> None:
         """At layer 0: count the last pass, decide what each layer owes, position the new tokens."""
         B, _, T, _ = key_states.shape
-        scorer = self.policy.scorer
         if self.passes == 0:  # the prompt
             position_ids = forward_kwargs.get("position_ids")
             if position_ids is None:
                 raise RuntimeError("ScheduledCache.update got no position_ids from the model: this model "
                                    "family does not pass them to its attention layers; use kvsieve.generate")
             query_pos = prompt_positions(position_ids.expand(B, T))
-            if self.block is not None and T > self.block:
+            block = self.schedule.block
+            if block is not None and T > block:
                 raise ValueError(
-                    f"{self.policy.name} evicts block-wise while prefilling (blocks of {self.block}), which needs "
+                    f"{self.policy.name} evicts block-wise while prefilling (blocks of {block}), which needs "
                     f"the prompt in blocks, but transformers' generate passes its {T} tokens at once: use "
                     "kvsieve.generate, or prefill_block=False to compress the prompt once it is whole")
             self.seen_tokens = torch.zeros(B, dtype=torch.long, device=key_states.device)
@@ -127,15 +124,12 @@ class ScheduledCache(SieveCache):
                 raise ValueError("a ScheduledCache serves one generate call (one prompt, then one token per "
                                  "step): build a new one with SieveCache.for_model for every call")
             if self.passes == 1:  # the prefill is done: drop padding, compress the prompt
-                self.seen_tokens = self._prompt_tokens
-                if scorer is not None and self.policy.protect_prompt:
-                    set_prompt_bounds(self, self.policy, self.budgets, self.horizon, self.seen_tokens)
+                self.schedule.end_prompt(self._prompt_tokens)
                 self.pending = "prefill"
             else:
                 self.seen_tokens = self.seen_tokens + 1
                 self.steps += 1
-                due = scorer is not None and self.steps % self.policy.interval == 0
-                self.pending = "compress" if due else None
+                self.pending = "compress" if self.schedule.due(self.steps) else None
             query_pos = self.seen_tokens[:, None]
         observe = self.passes == 0 or self.policy.observes_step(self.steps)
         self.query_pos = query_pos
@@ -147,23 +141,14 @@ class ScheduledCache(SieveCache):
     def _catch_up(self, layer_idx: int) -> None:
         """Layer ``layer_idx``'s compression owed since the last pass (``DecodeSession.prefill``'s
         end, or its ``maybe_compress``), done now, before the layer is read again."""
-        layer, budget, policy = self.layers[layer_idx], self.budgets[layer_idx], self.policy
         if self.pending is None:
             return
-        protected = policy.protected_prompt(self)  # set with the prompt (set_prompt_bounds)
-
-        def compress_now():
-            compress_layer(layer, policy, budget, self.seen_tokens, protected, self.prompt_max)
-
         if self.pending == "prefill":
-            if self.block is not None and protected is None:  # block-wise: the one block, before padding goes
-                compress_now()
-            headroom = policy.interval if policy.scorer is not None else layer.grow_chunk
-            drop_dead_layer(layer, headroom, past_hint=policy.scorer is not None and not policy.compress_prefill)
-            if policy.scorer is not None and policy.compress_prefill:
-                compress_now()
+            if self.schedule.compresses_blocks:  # block-wise: the one block, before padding goes
+                self.schedule.compress_layer(layer_idx)
+            self.schedule.finish_prompt_layer(layer_idx, self.layers[layer_idx].grow_chunk)
         else:
-            compress_now()
+            self.schedule.compress_layer(layer_idx)
 
     # ------------------------------------------------------------------ transformers' Cache API
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -188,3 +173,18 @@ class ScheduledCache(SieveCache):
 
     def batch_select_indices(self, indices):
         raise NotImplementedError(_NO_REORDER)
+
+
+def cache_for_model(model, method: str = "full", budget: int | None = None, *, policy: Policy | None = None,
+                    horizon: int | None = None, tokenizer=None, **settings) -> ScheduledCache:
+    """``SieveCache.for_model``: a ``ScheduledCache`` for ``method`` at ``budget`` (or a ready ``policy``)."""
+    from .methods import make_policy  # the methods load on first use
+
+    if policy is None:
+        policy = make_policy(method, budget, **settings)
+    elif settings or budget is not None or method != "full":
+        raise ValueError("pass either policy= or method/budget/settings to SieveCache.for_model, not both")
+    return ScheduledCache.for_generate(model, policy, horizon=horizon, tokenizer=tokenizer)
+
+
+serve_for_model(cache_for_model)

@@ -373,12 +373,6 @@ class Policy:
         does not protect its prompt, or the cache does not know it yet (before ``set_prompt``)."""
         return cache.prompt_len if self.protect_prompt else None
 
-    def needs_compression(self, cache: SieveCache, budgets: list[int | None]) -> bool:
-        """Host-side: does any layer want to compress now?"""
-        if self.scorer is None or (self.protect_prompt and cache.prompt_len is None):
-            return False
-        return any(self.scorer.should_compress(layer, self.layer_bound(cache, b)) for layer, b in zip(cache.layers, budgets))
-
     def observes_step(self, step: int) -> bool:
         """Whether decode step ``step`` (0-based) must hand its attention rows to the scorer
         (never when it observes nothing): every step, unless the scorer keeps only the newest query's attention
@@ -519,36 +513,12 @@ def set_prompt_bounds(cache: SieveCache, policy: Policy, budgets: list[int | Non
             layer.capacity_hint = min(horizon, policy.layer_bound(cache, budget) + policy.interval)
 
 
-def compress(cache: SieveCache, policy: Policy, budgets: list[int]) -> bool:
-    """Compress every layer that holds more than its budget. Returns True if any did.
-
-    With ``protect_prompt`` nothing is compressed before the prompt lengths are known
-    (``SieveCache.set_prompt``, at the end of prefill): until then every token is a prompt token."""
-    if policy.scorer is None:
-        return False
-    prompt_len = policy.protected_prompt(cache)
-    if policy.protect_prompt and prompt_len is None:
-        return False
-    did = False
-    for layer, budget in zip(cache.layers, budgets):
-        if policy.scorer.should_compress(layer, policy.layer_bound(cache, budget)):
-            compress_layer(layer, policy, budget, cache.seen_tokens, prompt_len, cache.prompt_max)
-            did = True
-    return did
-
-
-def drop_dead(cache: SieveCache, headroom: int, past_hint: bool = False) -> None:
-    """Remove padding slots from every layer (after prefill) with one gather per layer, leaving
-    ``headroom`` free slots, at most up to the capacity hint unless ``past_hint``: a bounded
-    policy that leaves the prompt uncompressed until its next compression (LazyEviction, AMS,
-    SkipKV) needs its interval of appends beyond budget + interval when the prompt is longer
-    than the budget; capping it at the hint would grow the store by a whole chunk."""
-    for layer in cache.layers:
-        drop_dead_layer(layer, headroom, past_hint)
-
-
 def drop_dead_layer(layer: SieveLayer, headroom: int, past_hint: bool = False) -> None:
-    """``drop_dead`` for one layer (one host read of its longest row)."""
+    """Remove a layer's padding slots (after prefill) with one gather, leaving ``headroom`` free
+    slots, at most up to the capacity hint unless ``past_hint``: a bounded policy that leaves the
+    prompt uncompressed until its next compression (LazyEviction, AMS, SkipKV) needs its interval
+    of appends beyond budget + interval when the prompt is longer than the budget; capping it at
+    the hint would grow the store by a whole chunk.  One host read of the longest row."""
     keep = layer.live()
     K = int(keep.sum(dim=-1).max())
     kept_idx, new_lengths = indices_from_mask(keep, K)

@@ -35,9 +35,10 @@ import warnings
 
 import torch
 
-from .attention import ATTN_IMPLEMENTATION, cache_kwarg_name, check_supported, forward_step
+from .attention import ATTN_IMPLEMENTATION, StepState, cache_kwarg_name, check_supported
 from .cache import DEAD_POS, SieveCache
-from .policy import Policy, compress, drop_dead, evict_in_place, set_prompt_bounds
+from .policy import Policy, evict_in_place
+from .schedule import Schedule
 
 # Full caches in a compiled session are allocated to a multiple of this many slots, so prompts
 # whose length differs by less than the bucket share one compiled graph.
@@ -52,15 +53,26 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def decode_step(model, cache: SieveCache, tokens: torch.Tensor, observer, evict: tuple, policy: Policy,
-                cache_kw: str, peak: torch.Tensor | None):
-    """One decode step, device work only: every row's token [B] through the model at position
-    ``seen_tokens`` (observing attention when ``observer`` is set and appending K/V), then
+def model_pass(model, cache: SieveCache, tokens: torch.Tensor, query_pos: torch.Tensor | None, observer,
+               evict: tuple, policy: Policy, cache_kw: str, peak: torch.Tensor | None, logits_to_keep: int = 1):
+    """One forward pass, device work only: ``tokens`` [B, T] through the model at ``query_pos``
+    [B, T] (DEAD_POS on padding), observing attention when ``observer`` is set and appending K/V
+    (the caller has made room, ``cache.prepare``, and counts them after, ``cache.advance``).
+    ``query_pos`` None is a decode step: each row's token at its position ``seen_tokens``, then
     ``seen_tokens += 1`` and the in-place eviction of layers ``evict`` ((layer, budget) pairs),
-    recording live tokens before it into ``peak`` [B, L]. Returns logits [B, V].
+    recording live tokens before it into ``peak`` [B, L].  Returns the last position's logits
+    [B, V] (every position's, [B, T, V], with ``logits_to_keep=0``).
     The function that ``torch.compile`` compiles: it reads no host state that changes between steps."""
-    query_pos = cache.seen_tokens[:, None]
-    logits = forward_step(model, cache, tokens[:, None], query_pos, observer, cache_kw)
+    decoding = query_pos is None
+    if decoding:
+        query_pos = cache.seen_tokens[:, None]
+    cache.begin_step(query_pos)
+    rope_pos = query_pos.masked_fill(query_pos == DEAD_POS, 0)  # padding: any finite position
+    out = model(input_ids=tokens, position_ids=rope_pos, **{cache_kw: cache}, use_cache=True,
+                logits_to_keep=logits_to_keep, kvsieve=StepState(cache=cache, query_pos=query_pos, observer=observer))
+    logits = out.logits[:, -1] if logits_to_keep == 1 else out.logits
+    if not decoding:
+        return logits
     cache.seen_tokens.add_(1)
     if evict:
         live = torch.stack([layer.lengths.sum(dim=1) for layer in cache.layers], dim=1)
@@ -76,7 +88,7 @@ _BACKEND = ["inductor"]
 
 
 def compiled_decode_step(device_type: str):
-    """``decode_step`` compiled once per process, device type and backend, shared by every
+    """``model_pass`` for decode steps, compiled once per process, device type and backend, shared by every
     session so that a grid calling ``generate`` hundreds of times compiles each shape once."""
     key = (device_type, _BACKEND[0])
     if key not in _COMPILED:
@@ -85,7 +97,7 @@ def compiled_decode_step(device_type: str):
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 1024)
         mode = "reduce-overhead" if device_type == "cuda" and key[1] == "inductor" else None  # CUDA graphs
-        _COMPILED[key] = torch.compile(decode_step, fullgraph=True, dynamic=False, mode=mode, backend=key[1])
+        _COMPILED[key] = torch.compile(model_pass, fullgraph=True, dynamic=False, mode=mode, backend=key[1])
     return _COMPILED[key]
 
 
@@ -135,12 +147,13 @@ class DecodeSession:
         self.compile = compile
         self.static = static or compile
         self.num_layers = model.config.num_hidden_layers
-        self.budgets = policy.layer_budgets(self.num_layers)
         if self.static and self.scorer is None:
             horizon = -(-horizon // CAPACITY_BUCKET) * CAPACITY_BUCKET
         self.horizon = horizon
         self.grow_chunk = grow_chunk
         self.cache = SieveCache.for_policy(policy, self.num_layers, horizon, static=self.static, grow_chunk=grow_chunk)
+        self.schedule = Schedule(policy, self.cache, horizon)  # when to compress: the only caller of compression
+        self.budgets = self.schedule.budgets
         self.observer = policy.observer()
         self.cache_kw = cache_kwarg_name(model)
         self.device = model.device
@@ -188,14 +201,29 @@ class DecodeSession:
             self.model.set_attn_implementation(previous)
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, input_ids, query_pos, observer, logits_to_keep: int = 1):
+    def _pass(self, tokens: torch.Tensor, query_pos: torch.Tensor | None, observer, logits_to_keep: int = 1,
+              evict: tuple = ()) -> torch.Tensor:
+        """Every forward pass, prefill chunk or decode step (``query_pos`` None): the per-token
+        host hooks, room for the tokens, ``model_pass`` (compiled for a decode step at steady
+        shapes), and the host-side count of what was appended."""
+        cache, T = self.cache, tokens.shape[1]
         for hook in self.on_tokens:
-            hook(input_ids, query_pos, self.rows)
-        T = input_ids.shape[1]
-        self.cache.prepare(T)
-        logits = forward_step(self.model, self.cache, input_ids, query_pos, observer, self.cache_kw, logits_to_keep)
-        self.cache.advance(T)
-        self._note_bytes()  # a prefill chunk may have allocated (the first one always does)
+            hook(tokens, cache.seen_tokens[:, None] if query_pos is None else query_pos, self.rows)
+        grew = cache.prepare(T)
+        args = (self.model, cache, tokens, query_pos, observer, evict, self.policy, self.cache_kw, self._step_peak,
+                logits_to_keep)
+        if query_pos is None and self._compiled is not None and self._steady():
+            graphs, t0 = compiled_graphs(), time.perf_counter()
+            logits = self._compiled(*args)
+            self.compiled_steps += 1
+            if compiled_graphs() != graphs:
+                _sync(self.device)
+                self.compile_s += time.perf_counter() - t0
+        else:
+            logits = model_pass(*args)
+        cache.advance(T)
+        if grew or query_pos is not None:  # a prefill chunk may have allocated (the first one always does)
+            self._note_bytes()
         return logits
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunk: int = 512,
@@ -204,28 +232,23 @@ class DecodeSession:
         ``chunk`` (in the policy's blocks for block-wise prefill eviction, compressing after each,
         ``Policy.prefill_block``), and compresses after the prompt when the policy compresses it.
         Returns the last position's logits [B, V] (every position's, [B, P, V], with ``all_logits``)."""
-        cache, policy, scorer = self.cache, self.policy, self.scorer
-        block = policy.prefill_block_size()  # the block m of block-wise eviction
-        chunk = block or chunk
+        cache, policy, scorer, schedule = self.cache, self.policy, self.scorer, self.schedule
+        chunk = schedule.block or chunk  # the block m of block-wise eviction
         cache.seen_tokens = torch.zeros(input_ids.shape[0], dtype=torch.long, device=self.device)
         pieces = []
         for start in range(0, input_ids.shape[1], chunk):
             part = slice(start, start + chunk)
-            logits = self._forward(input_ids[:, part], positions[:, part], self.observer, 0 if all_logits else 1)
+            logits = self._pass(input_ids[:, part], positions[:, part], self.observer, 0 if all_logits else 1)
             pieces.append(logits)
-            if block is not None and not policy.protect_prompt:  # block-wise prefill eviction
+            if schedule.compresses_blocks:  # block-wise prefill eviction
                 cache.seen_tokens = (positions[:, : part.stop] != DEAD_POS).sum(dim=1)
                 self._record_peak()  # each block's tokens are held until this compression
-                compress(cache, policy, self.budgets)  # (a protected prompt has nothing to evict)
-        cache.seen_tokens = (positions != DEAD_POS).sum(dim=1)
-        if scorer is not None and policy.protect_prompt:  # each row's prompt, and the capacity it needs
-            set_prompt_bounds(cache, policy, self.budgets, self.horizon, cache.seen_tokens)
-        drop_dead(cache, headroom=policy.interval if scorer else self.grow_chunk,
-                  past_hint=scorer is not None and not policy.compress_prefill)
+                schedule.compress()
+        schedule.end_prompt((positions != DEAD_POS).sum(dim=1))
         if scorer is not None and policy.compress_prefill:
             self._record_peak()
-            if compress(cache, policy, self.budgets):
-                self._count_event()
+        if any([schedule.finish_prompt_layer(index, self.grow_chunk) for index in range(self.num_layers)]):
+            self._count_event()
         if self.static:  # room for every append until the next compression (or the end, for full)
             for layer in cache.layers:
                 layer.reserve(max(layer.capacity_hint, layer.max_len + (policy.interval if scorer else 0)))
@@ -265,21 +288,7 @@ class DecodeSession:
                           if b is not None and layer.max_len == bound and layer.capacity == bound + 1)
             if evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
                 self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)
-        for hook in self.on_tokens:
-            hook(tokens[:, None], cache.seen_tokens[:, None], self.rows)
-        if cache.prepare(1):
-            self._note_bytes()
-        args = (self.model, cache, tokens, observer, evict, policy, self.cache_kw, self._step_peak)
-        if self._compiled is not None and self._steady():
-            graphs, t0 = compiled_graphs(), time.perf_counter()
-            logits = self._compiled(*args)
-            self.compiled_steps += 1
-            if compiled_graphs() != graphs:
-                _sync(self.device)
-                self.compile_s += time.perf_counter() - t0
-        else:
-            logits = decode_step(*args)
-        cache.advance(1)
+        logits = self._pass(tokens[:, None], None, observer, evict=evict)
         for index, budget in evict:
             cache.layers[index].max_len = policy.layer_bound(cache, budget)
         if evict:
@@ -290,12 +299,10 @@ class DecodeSession:
     def maybe_compress(self) -> bool:
         """Compress every layer over its budget when the schedule says so (every ``interval``
         decode steps); host-side decision, no device read. True if anything was compressed."""
-        if self.scorer is None or self.steps % self.policy.interval != 0:
-            return False
-        if not self.policy.needs_compression(self.cache, self.budgets):
+        if not self.schedule.due(self.steps) or not self.schedule.any_due():
             return False
         self._record_peak()
-        compress(self.cache, self.policy, self.budgets)
+        self.schedule.compress()
         self._count_event()
         self._note_bytes()
         return True

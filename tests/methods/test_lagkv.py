@@ -20,7 +20,8 @@ from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.eval.perplexity import score_text
 from kvsieve.methods import make_policy
 from kvsieve.methods.lagkv import LagKV, peak_tokens, scheduled_peak
-from kvsieve.policy import Feed, compress, compress_layer, drop_dead
+from kvsieve.policy import Feed, compress_layer, drop_dead_layer
+from kvsieve.schedule import Schedule
 from kvsieve.random_models import ByteTokenizer
 
 H, D = 2, 3
@@ -159,9 +160,9 @@ def test_recursive_schedule_eq_10_window_frozen_partitions_and_one_shot_equivale
         counts = [chunk, max(0, chunk - (6 - int(stream.seen[0])))] if behind else [chunk, chunk]
         stream.append(counts, chunk)
         due = [int(n) >= S + 2 * L and (int(n) - S) % L < chunk for n in stream.seen]
-        assert policy.needs_compression(stream.cache, [None]) == any(due)  # exactly when a partition completes
+        assert Schedule(policy, stream.cache, 1 << 20).any_due() == any(due)  # exactly when a partition completes
         due_steps += any(due)
-        if compress(stream.cache, policy, [None]):
+        if Schedule(policy, stream.cache, 1 << 20).compress():
             events += 1
         for b, n in enumerate(stream.seen.tolist()):
             for h in range(H):
@@ -185,11 +186,11 @@ def test_prefill_then_decode_like_the_engine_compresses_nothing_below_s_plus_2l(
     policy = make_policy("lagkv", sinks=S, lag=L, ratio=0.5)
     stream = Stream(3, (30, 30))
     stream.append([S + 2 * L - 1, 5], S + 2 * L - 1)
-    drop_dead(stream.cache, headroom=1)
-    assert not policy.needs_compression(stream.cache, [None])
+    [drop_dead_layer(layer, headroom=1) for layer in stream.cache.layers]
+    assert not Schedule(policy, stream.cache, 1 << 20).any_due()
     stream.append([1, 1], 1)  # row 0 reaches S + 2L
-    assert policy.needs_compression(stream.cache, [None])
-    compress(stream.cache, policy, [None])
+    assert Schedule(policy, stream.cache, 1 << 20).any_due()
+    Schedule(policy, stream.cache, 1 << 20).compress()
     kept = stream.kept()
     assert [len(kept[0][h]) for h in range(H)] == [retained(S + 2 * L, S, L, 4)] * H
     assert kept[1] == [list(range(6))] * H  # the short row is untouched
@@ -200,29 +201,29 @@ def test_a_foreign_compaction_of_the_same_rows_triggers_a_recheck_finished_rows_
     policy = make_policy("lagkv", sinks=S, lag=L, ratio=0.5)
     stream = Stream(6, (30, 30))
     stream.append([10, 4], 10)  # row 1 still has padding slots
-    assert compress(stream.cache, policy, [None])
+    assert Schedule(policy, stream.cache, 1 << 20).compress()
     stream.append([1, 1], 1)
-    assert not policy.needs_compression(stream.cache, [None])  # row 0 needs 3 more tokens
+    assert not Schedule(policy, stream.cache, 1 << 20).any_due()  # row 0 needs 3 more tokens
     stream.append([1, 1], 1)
-    drop_dead(stream.cache, headroom=1)  # the engine compacts (as after a padded chunked prefill)
-    assert policy.needs_compression(stream.cache, [None])  # so LagKV looks again ...
+    [drop_dead_layer(layer, headroom=1) for layer in stream.cache.layers]  # the engine compacts (as after a padded chunked prefill)
+    assert Schedule(policy, stream.cache, 1 << 20).any_due()  # so LagKV looks again ...
     before = stream.kept()
-    compress(stream.cache, policy, [None])
+    Schedule(policy, stream.cache, 1 << 20).compress()
     assert stream.kept() == before  # ... and finds nothing due yet
     stream.cache.select_rows(torch.tensor([0]))  # a row finishing keeps the schedule
     stream.seen = stream.seen[:1]
     stream.kv = stream.kv[:1]
-    assert not policy.needs_compression(stream.cache, [None])
+    assert not Schedule(policy, stream.cache, 1 << 20).any_due()
     stream.append([1], 1)
     stream.append([1], 1)
-    assert policy.needs_compression(stream.cache, [None])  # n = 14 = S + 3L
+    assert Schedule(policy, stream.cache, 1 << 20).any_due()  # n = 14 = S + 3L
 
 
 def test_l2_variant_leaves_the_first_two_layers_whole():
     policy = make_policy("lagkv-l2", sinks=2, lag=4, ratio=0.5)
     stream = Stream(4, (16, 16), layers=4)
     stream.append([16, 16], 16)
-    assert compress(stream.cache, policy, [None] * 4)
+    assert Schedule(policy, stream.cache, 1 << 20).compress()
     for i, layer in enumerate(stream.cache.layers):
         assert (layer.lengths == (16 if i < 2 else retained(16, 2, 4, 2))).all(), i
 
@@ -230,7 +231,7 @@ def test_l2_variant_leaves_the_first_two_layers_whole():
 def test_ratio_one_never_compresses_and_bad_settings_are_rejected():
     stream = Stream(5, (40,))
     stream.append([40], 40)
-    assert not make_policy("lagkv", sinks=2, lag=4, ratio=1.0).needs_compression(stream.cache, [None])
+    assert not Schedule(make_policy("lagkv", sinks=2, lag=4, ratio=1.0), stream.cache, 1 << 20).any_due()
     for bad, match in [({"ratio": 0}, "ratio"), ({"lag": 0}, "lag >= 1"), ({"reference": "prev"}, "reference"),
                        ({"statistic": "l1"}, "statistic")]:
         with pytest.raises(ValueError, match=match):

@@ -35,7 +35,7 @@ from kvsieve.attention import ATTN_IMPLEMENTATION
 from kvsieve.cache import SieveCache
 from kvsieve.bench.common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, write
 from kvsieve.methods import method_names
-from kvsieve.policy import SCORERS, compress
+from kvsieve.policy import SCORERS
 from kvsieve.session import DecodeSession
 
 
@@ -124,7 +124,7 @@ class _Timed:
     def compression(self) -> float:
         """Seconds of one compression from ``held + interval`` tokens (the faster of two)."""
         best = float("inf")
-        cache, policy, budgets = self.session.cache, self.policy, self.session.budgets
+        cache = self.session.cache
         for _ in range(2):  # the first one warms up
             live = cache.layers[0].live().sum(-1).max().item()
             if self.partitions:  # LagKV: up to the tail's second full partition
@@ -134,7 +134,7 @@ class _Timed:
             append_random(self.model, cache, count)
             _sync(self.model)
             t0 = time.perf_counter()
-            compress(cache, policy, budgets)
+            self.session.schedule.compress()
             _sync(self.model)
             best = min(best, time.perf_counter() - t0)
         return best
