@@ -108,7 +108,7 @@ def draw(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvsieve bench compiled", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--methods", default="full,tova,lazy", help="kvsieve methods, each timed eager and compiled")
@@ -121,7 +121,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if "full" not in args.methods.split(","):
         args.methods = "full," + args.methods
-    model, tok = load_for(args)
+    return args
+
+
+def run(model, tok, args) -> list[dict]:
+    """Every entry at every one of ``--batches`` on a loaded model; prints the table, writes JSON and PNG."""
     timed_generate(model, tok, "full", None, 1, 8)  # warm-up of the eager paths
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -131,6 +135,12 @@ def main(argv=None):
     report(args, "compiled", machine(model), rows, header,
            lambda r: (f"{r['batch']:>5} {r['entry']:34} {r['tokens_per_s']:8.1f} {r['vs_transformers_eager']:10.2f} "
                       f"{r['vs_kvsieve_full_eager']:12.2f} {r['compile_s']:9.1f}"), draw)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run(*load_for(args), args)
 
 
 if __name__ == "__main__":
