@@ -138,7 +138,7 @@ def long(model, tok, args) -> dict:
         for ax in axes:
             ax.legend()
 
-    return {"rows": rows, "runs": runs, "draw": draw, "panels": 2}
+    return {"rows": rows, "runs": runs, "draw": draw, "panels": 2, "every": every}
 
 
 RUNS = {"memory": memory, "throughput": throughput, "long": long}
