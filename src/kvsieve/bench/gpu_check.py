@@ -246,9 +246,10 @@ def main(argv=None) -> int:
     write(out / "gpu_check.json", {"benchmark": "gpu_check", "model": args.model, "machine": facts,
                                    "settings": vars(args), "tests": tests, "step_s": steps, "total_s": total,
                                    "summary": summary})
-    print_table(f"gpu-check: {args.model} in {args.dtype} on {facts.get('gpu', args.device)}, torch {torch.__version__}, "
-                f"transformers {transformers.__version__}; "
-                + ", ".join(f"{name} {s:.0f} s" for name, s in steps.items()) + f"; total {total:.0f} s", summary)
+    times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in steps.items())
+    print_table(f"gpu-check: {args.model} in {args.dtype} on {facts.get('gpu', args.device)}, "
+                f"torch {torch.__version__}, transformers {transformers.__version__}; {times}; total {total:.0f} s",
+                summary)
     return 1 if tests["status"] == "failed" else 0
 
 
