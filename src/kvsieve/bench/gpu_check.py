@@ -19,7 +19,7 @@ when one is missing (``make gpu-vendor`` puts pytest's pure-Python wheels in ``.
 which ``make gpu-check`` adds to the path).
 
 Without CUDA, ``--device cuda`` says so in one line and exits 0. ``--device cpu`` is a dry run of
-the same steps at small sizes (batches 1,2; long batch 2, to ``--new-tokens``), writing to
+the same steps at small sizes (batches 1,2; long batch 2, to ``--new-tokens`` or 16), writing to
 ``benchmarks/results/gpu/cpu-dry-run/`` unless told otherwise::
 
     make gpu-check DEVICE=cpu MODEL=random:qwen2.5-1.5b TOKENS=16
@@ -53,16 +53,16 @@ LONG_MARGIN = 1.5
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kvsieve.bench.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=sorted(SIZES), help="cpu: a dry run at small sizes")
-    ap.add_argument("--model", default="random:qwen2.5-7b")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default="random:qwen2.5-7b", help="as the benchmarks take it (default: %(default)s)")
+    ap.add_argument("--dtype", default="bfloat16", help="default: %(default)s")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--new-tokens", type=int, default=256, help="new tokens per row in the compiled benchmark")
     ap.add_argument("--batches", default=None, help="compiled benchmark batches (default 1,64; cpu: 1,2)")
     ap.add_argument("--budget", type=int, default=256, help="tova's budget in the compiled benchmark")
-    ap.add_argument("--long-budget", type=int, default=1024)
+    ap.add_argument("--long-budget", type=int, default=1024, help="tova's budget in the long benchmark (1024)")
     ap.add_argument("--long-batch", type=int, default=None, help="default 32; cpu: 2")
     ap.add_argument("--long-lengths", default=None,
-                    help="comma-separated; default: what the time left allows (cpu: --new-tokens)")
+                    help="comma-separated; default: what the time left allows (cpu: --new-tokens, at least 16)")
     ap.add_argument("--long-mode", default="auto", choices=("auto", *MODES),
                     help="auto: whichever mode reaches the longer length in the time left (compiled on a tie, "
                          "and when --long-lengths is given)")
@@ -76,8 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.long_lengths is not None:
         args.long_lengths = [int(n) for n in args.long_lengths.split(",")]
-    elif args.device == "cpu":
-        args.long_lengths = [-(-args.new_tokens // scale.CHECK_EVERY) * scale.CHECK_EVERY]
+    elif args.device == "cpu":  # a multiple of the host check, past the first (where the clock starts)
+        args.long_lengths = [max(2 * scale.CHECK_EVERY, -(-args.new_tokens // scale.CHECK_EVERY) * scale.CHECK_EVERY)]
     return args
 
 
