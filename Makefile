@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEFAULT_MODEL := smollm2-135m
 
-.PHONY: setup demo test test-slow test-gpu bench clean
+.PHONY: setup demo test test-slow test-gpu gpu-check gpu-vendor bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,31 @@ test-slow: setup
 # On the GPU machine (torch with CUDA preinstalled, no registry): no venv, the source tree only.
 test-gpu:
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
+
+# The whole GPU check in one command, under 9 minutes on one H100 (src/kvsieve/bench/gpu_check.py):
+# the gpu tests, the compiled-step benchmark (random:qwen2.5-7b, bf16, batches 1 and 64) and the
+# long-generation benchmark (budget 1024, batch 32, as long as the time allows), then one table of
+# ratios; JSON and PNG in benchmarks/results/gpu/. Needs only torch and transformers: pytest and
+# matplotlib are used when present, else from $(GPU_VENDOR) (below) or skipped with a note. Without
+# CUDA it says so and exits 0. Dry run: make gpu-check DEVICE=cpu MODEL=random:qwen2.5-1.5b TOKENS=16
+# Every variable below is optional; unset, the script's default (its --help) holds.
+GPU_VENDOR := .gpu-vendor
+gpu_opt = $(if $($(1)),--$(2) $($(1)))
+GPU_CHECK_ARGS = $(call gpu_opt,DEVICE,device) $(call gpu_opt,MODEL,model) $(call gpu_opt,DTYPE,dtype) \
+	$(call gpu_opt,THREADS,threads) $(call gpu_opt,TOKENS,new-tokens) $(call gpu_opt,BATCHES,batches) \
+	$(call gpu_opt,BUDGET,budget) $(call gpu_opt,LONG_BUDGET,long-budget) $(call gpu_opt,LONG_BATCH,long-batch) \
+	$(call gpu_opt,LONG_LENGTHS,long-lengths) $(call gpu_opt,LONG_MODE,long-mode) \
+	$(call gpu_opt,TIME_LIMIT,time-limit) $(call gpu_opt,TESTS,tests) $(call gpu_opt,OUT,out-dir)
+
+gpu-check:
+	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "gpu-check: $(PYTHON) has no torch, so no CUDA here; nothing run (PYTHON=... names another python)"; \
+	else PYTHONPATH=src:$(GPU_VENDOR) $(PYTHON) -m kvsieve.bench.gpu_check $(GPU_CHECK_ARGS); fi
+
+# Where pip works: pytest's pure-Python wheels (about 7 MiB, git-ignored) for a machine with only
+# torch and transformers; the device tool carries the folder when its `carry` names it.
+gpu-vendor:
+	$(PYTHON) -m pip install --quiet --no-deps --no-compile --target $(GPU_VENDOR) pytest pluggy iniconfig pygments
 
 bench: setup
 	$(VENV)/bin/kvsieve bench engine

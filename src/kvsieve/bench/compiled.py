@@ -21,6 +21,8 @@ import time
 import torch
 
 from ..attention import cache_kwarg_name
+from ..cache import DEAD_POS
+from ..generate import GenerateConfig, encode_prompts, left_pad
 from .common import add_model_args, load_for, machine, prompts, report, timed_generate
 
 
@@ -28,17 +30,17 @@ def hf_generate(model, tok, batch: int, new_tokens: int, static: bool) -> dict:
     """transformers' ``generate`` (eager dynamic cache, or compiled static cache): batch-level figures."""
     from transformers import CompileConfig, StaticCache
 
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    enc = tok(prompts(batch), return_tensors="pt", padding=True).to(model.device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=tok.pad_token_id)
+    # The prompts kvsieve's entries decode, encoded and left-padded by the same functions, so
+    # both see the same tokens (and random:SHAPE models' byte tokenizer needs no batch encoding).
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    input_ids, positions = left_pad(encode_prompts(tok, prompts(batch), GenerateConfig()), pad_id, model.device)
+    enc = {"input_ids": input_ids, "attention_mask": (positions != DEAD_POS).long()}
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
     compile_s = 0.0
     if static:
         config = CompileConfig(fullgraph=True, mode="default", dynamic=False)  # as kvsieve's (dynamic recompiles)
         config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-        length = enc.input_ids.shape[1] + new_tokens
+        length = input_ids.shape[1] + new_tokens
 
         def static_kwargs():
             return {**kwargs, "compile_config": config,
@@ -53,7 +55,7 @@ def hf_generate(model, tok, batch: int, new_tokens: int, static: bool) -> dict:
         t0 = time.perf_counter()
         out = model.generate(**enc, **kwargs)
         wall = time.perf_counter() - t0
-    generated = batch * (out.shape[1] - enc.input_ids.shape[1])
+    generated = batch * (out.shape[1] - input_ids.shape[1])
     compile_s = max(compile_s - wall, 0.0)
     return {"entry": "transformers static compiled" if static else "transformers eager", "batch": batch,
             "generated_tokens": generated, "wall_s": wall, "compile_s": compile_s, "tokens_per_s": generated / wall}
@@ -106,7 +108,7 @@ def draw(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvsieve bench compiled", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--methods", default="full,tova,lazy", help="kvsieve methods, each timed eager and compiled")
@@ -119,7 +121,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if "full" not in args.methods.split(","):
         args.methods = "full," + args.methods
-    model, tok = load_for(args)
+    return args
+
+
+def run(model, tok, args) -> list[dict]:
+    """Every entry at every one of ``--batches`` on a loaded model; prints the table, writes JSON and PNG."""
     timed_generate(model, tok, "full", None, 1, 8)  # warm-up of the eager paths
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -129,6 +135,12 @@ def main(argv=None):
     report(args, "compiled", machine(model), rows, header,
            lambda r: (f"{r['batch']:>5} {r['entry']:34} {r['tokens_per_s']:8.1f} {r['vs_transformers_eager']:10.2f} "
                       f"{r['vs_kvsieve_full_eager']:12.2f} {r['compile_s']:9.1f}"), draw)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run(*load_for(args), args)
 
 
 if __name__ == "__main__":

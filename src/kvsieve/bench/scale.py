@@ -138,7 +138,7 @@ def long(model, tok, args) -> dict:
         for ax in axes:
             ax.legend()
 
-    return {"rows": rows, "runs": runs, "draw": draw, "panels": 2}
+    return {"rows": rows, "runs": runs, "draw": draw, "panels": 2, "every": every}
 
 
 RUNS = {"memory": memory, "throughput": throughput, "long": long}
@@ -167,17 +167,21 @@ def parse_args(argv=None, name: str | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv=None, name: str | None = None):
-    args = parse_args(argv, name)
-    name = args.name
-    model, tok = load_for(args)
+def run(model, tok, args) -> dict:
+    """Benchmark ``args.name`` on a loaded model; writes its JSON (``--out``) and PNG, returns its result."""
     with profiled(args.profile):
-        result = RUNS[name](model, tok, args)
-    out = write(args.out or f"benchmarks/results/{name}.json",
-                {"benchmark": name, "model": args.model, "machine": machine(model),
+        result = RUNS[args.name](model, tok, args)
+    out = write(args.out or f"benchmarks/results/{args.name}.json",
+                {"benchmark": args.name, "model": args.model, "machine": machine(model),
                  "settings": vars(args), "rows": result["rows"],
                  **({"runs": result["runs"]} if "runs" in result else {})})
     plot(out, result["draw"], result.get("panels", 1))
+    return result
+
+
+def main(argv=None, name: str | None = None):
+    args = parse_args(argv, name)
+    run(*load_for(args), args)
 
 
 if __name__ == "__main__":
