@@ -12,17 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import kv_field, kv_sum
-from ..policy import Scorer, register
+from ..policy import About, Needs, Scorer, register
 
 
 @register("keydiff")
 @dataclass
 class KeyDiff(Scorer):
-    summary = "negated cosine similarity to the mean key (attention-free)"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Park et al. 2025 (arXiv:2504.15364), Sec. 3"
-    kv_fields = ("key_norm",)
-    kv_sums = ("unit_key_sum",)
+    about = About("negated cosine similarity to the mean key (attention-free)",
+                  "Park et al. 2025 (arXiv:2504.15364), Sec. 3")
+    # per-token scores (the engine may evict in place); key norms per token, the anchor's running sum
+    needs = Needs(kv_fields=("key_norm",), kv_sums=("unit_key_sum",), slot_order_free=True)
 
     def score(self, layer, seen_tokens):
         # one pass over the keys, no normalised copy: cos(k, a) = (k . a_hat) / |k|, with the key

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
+from ..policy import HEAD_REDUCTIONS, About, Needs, Scorer, check_choice, register
 from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
 
 # Decode tokens score TS - 2**23, prompt tokens TS: every prompt token ranks first, and
@@ -44,12 +44,11 @@ class RaaS(Scorer):
         Reduction of a GQA group's attention onto its kv head, as in ``lazy``.
     """
 
-    summary = "all prompt tokens + decode tokens by latest attention >= alpha (timestamp LRU)"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = ("Hu et al. 2025 (arXiv:2502.11147) as in LazyEviction App. C, H.2: every step; "
-              "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
-    meta_init = {"ts": TS_UNSET, "prompt": 0.0}  # new tokens: born now, not prompt
-    observes = True
+    about = About("all prompt tokens + decode tokens by latest attention >= alpha (timestamp LRU)",
+                  "Hu et al. 2025 (arXiv:2502.11147) as in LazyEviction App. C, H.2: every step; "
+                  "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
+    # new tokens: born now, not prompt; per-token scores: the engine may evict in place
+    needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, slot_order_free=True)
 
     alpha: float | None = None
     family: str = "qwen2"
