@@ -1,5 +1,7 @@
 """AMS: Adaptive Mass-Segmented KV compression, allocate-then-score around any base scorer.
 
+arXiv:2605.23200; official code: github.com/EIT-NLP/AdaptiveMassSegment.
+
 Based on Yang & Shen, "Adaptive Mass-Segmented KV Compression for Long-Form Reasoning" (AMS;
 code github.com/EIT-NLP/AdaptiveMassSegment).  ``ams:<base>`` wraps any budgeted scorer; the
 paper's bases are ``tova``, ``expected``, ``keydiff`` and ``rkv`` (Tables 1, 5); other bases

@@ -1,5 +1,7 @@
 """CAOTE: evict the token whose removal changes the attention output least.
 
+arXiv:2504.14051; official code: none published.
+
 Based on "CAOTE: KV Caching through Attention Output Error based Token Eviction" (Sec. 3).
 For one query with attention a over the b + 1 cached tokens and values v, evicting token j
 and renormalising the rest changes the output o = sum_i a_i v_i by exactly

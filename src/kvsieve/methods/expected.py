@@ -1,5 +1,7 @@
 """Expected Attention: score each key by the attention that future queries are expected to pay it.
 
+arXiv:2510.00636; official code: github.com/NVIDIA/kvpress (ExpectedAttentionPress).
+
 Based on Devoto, Jeblick & Jégou, "Expected Attention: KV Cache Compression by Estimating
 Attention from Future Queries Distribution" (arXiv:2510.00636), the AMS paper's base scorer
 [24] (AMS Table 10 and App. B.2: ``ExpectedAttentionPress(epsilon=1e-2)`` of kvpress, code

@@ -1,5 +1,7 @@
 """H2O: heavy-hitter oracle, accumulated attention.
 
+arXiv:2306.14048; official code: github.com/FMInference/H2O.
+
 Based on Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
 Language Models" (arXiv:2306.14048).  Each cached token's score is the attention it has
 received, summed over every query since it entered the cache (Sec. 3, Eq. of the greedy

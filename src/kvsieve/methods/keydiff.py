@@ -1,5 +1,7 @@
 """KeyDiff: keep keys that differ most from the average key.
 
+arXiv:2504.15364; official code: none published (kvpress ports it as KeyDiffPress).
+
 Based on Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
 Inference in Resource-Constrained Environments" (arXiv:2504.15364): the anchor is the mean of
 the normalised keys, and a token's score is its negated cosine similarity to the anchor

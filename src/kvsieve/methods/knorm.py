@@ -1,5 +1,7 @@
 """Knorm: keep the keys with the smallest L2 norm.
 
+arXiv:2406.11430; official code: github.com/alessiodevoto/l2compress.
+
 Based on Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
 Compression" (arXiv:2406.11430): low key norm correlates with high attention, so the score is
 the negated norm of the post-RoPE key. Attention-free.

@@ -1,5 +1,7 @@
 """LagKV: attention-free eviction from lag-relative statistics of the keys and values.
 
+arXiv:2504.04704; official code: github.com/AI-Lab-China-Merchants-Bank/LagKV.
+
 Based on "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"
 (arXiv:2504.04704), Sec. 2.2.  After S sinks the cache is cut into partitions of L tokens.
 Partition p is scored against the *next* one: each channel of its keys (and values) is

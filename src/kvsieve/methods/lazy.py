@@ -1,5 +1,7 @@
 """LazyEviction: lagged eviction that keeps tokens whose attention recurs.
 
+arXiv:2506.15969; official code: github.com/Halo-949/LazyEviction.
+
 Based on "LazyEviction: Lagged KV Eviction with Attention Pattern Observation for Efficient
 Long Reasoning" (ACL submission, Sec. 4, Algorithm 1, App. A-D, H).  Every decoding step each
 cached token's TS and MRI are updated from the current query's attention (Alg. 1 lines 1-6,

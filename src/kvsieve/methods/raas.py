@@ -1,5 +1,7 @@
 """RaaS: keep the prompt, evict the generated tokens least recently attended.
 
+arXiv:2502.11147; official code: none published (run as LazyEviction's baseline).
+
 Based on Hu et al., "Efficient Long-Decoding Inference with Reasoning-Aware Attention
 Sparsity" (arXiv:2502.11147), as LazyEviction describes and runs it as a baseline (App. C,
 App. H.2, Tables 1-3): every prefill token is retained (its "phoenix" tokens); each decode

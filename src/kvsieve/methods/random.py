@@ -1,4 +1,7 @@
-"""Random eviction: the control every method must beat."""
+"""Random eviction: the control every method must beat.
+
+No paper and no official code: kvsieve's control baseline.
+"""
 
 from dataclasses import dataclass, field
 

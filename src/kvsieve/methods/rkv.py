@@ -1,5 +1,7 @@
 """R-KV: attention importance minus key redundancy, for long reasoning outputs.
 
+arXiv:2505.24133; official code: github.com/Zefan-Cai/R-KV.
+
 Based on Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models"
 (arXiv:2505.24133), Sec. 3.  Every ``interval`` (= the paper's buffer of 128) decode steps:
 importance I_i is the attention of the last ``window`` queries on token i, averaged over the

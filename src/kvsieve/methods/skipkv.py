@@ -1,5 +1,7 @@
 """SkipKV: evict redundant *sentences* first, then tokens by importance minus redundancy.
 
+arXiv:2512.07993; official code: github.com/TTTTTTris/SkipKV.
+
 Based on Tian et al., "SkipKV: Selective Skipping of KV Generation and Storage for Efficient
 Inference with Large Reasoning Models" (arXiv:2512.07993), Sec. 4.1, Alg. 1, App. A.1-A.2;
 official code github.com/TTTTTTris/SkipKV.  Every 128 decode steps (compress_prefill off):

@@ -1,5 +1,7 @@
 """SnapKV: attention of an observation window of recent queries, pooled.
 
+arXiv:2404.14469; official code: github.com/FasterDecoding/SnapKV.
+
 Based on Li et al., "SnapKV: LLM Knows What You Are Looking For Before Generation"
 (arXiv:2404.14469), Sec. 4.2: the last ``window`` queries vote (attention summed over the
 window), votes are smoothed by 1D pooling so neighbours of important tokens are kept, and the

@@ -1,5 +1,7 @@
 """StreamingLLM: attention sinks plus a sliding window of recent tokens.
 
+arXiv:2309.17453; official code: github.com/mit-han-lab/streaming-llm.
+
 Based on Xiao et al., "Efficient Streaming Language Models with Attention Sinks"
 (arXiv:2309.17453).  The first ``sinks`` tokens are kept forever; everything else is a
 window of the most recent tokens.  Expressed as a scorer, a token's score is its position,

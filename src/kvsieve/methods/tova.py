@@ -1,5 +1,7 @@
 """TOVA: token omission via attention.
 
+arXiv:2401.06104; official code: github.com/schwartz-lab-NLP/TOVA.
+
 Based on Oren et al., "Transformers are Multi-State RNNs" (arXiv:2401.06104).  At each step
 the token with the lowest attention from the *current* query is dropped (Sec. 3.3); the
 paper averages the attention over all heads of a layer, so all heads keep the same tokens.
