@@ -45,7 +45,7 @@ def test_the_recorder_tracks_as_lazy_does_over_decoding_steps_only():
     attention = torch.rand(n, n, generator=g).tril()  # every query attends every earlier token >= alpha often
     states = []
     for scorer in (MRIRecorder(alpha=0.2), LazyEviction(alpha=0.2)):
-        cache = SieveCache(1, meta_init=scorer.meta_init)
+        cache = SieveCache(1, meta_init=scorer.needs.meta)
         cache.begin_step(torch.arange(prompt)[None])
         cache.update(torch.randn(1, 1, prompt, 4), torch.randn(1, 1, prompt, 4), 0)
         layer = cache.layers[0]

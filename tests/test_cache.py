@@ -434,7 +434,7 @@ def test_keydiff_and_fastcaote_score_the_same_from_running_sums_as_from_a_recoun
     for method in ("keydiff", "fastcaote:h2o"):
         scorer = make_policy(method, budget=8).scorer
         tracked = SieveCache.for_scorer(1, scorer).layers[0]
-        plain = SieveLayer(meta_init=scorer.meta_init)
+        plain = SieveLayer(meta_init=scorer.needs.meta)
         assert tracked.kv_sums and not plain.kv_sums
         k, v = rand(g, 2, 3, 9, D), rand(g, 2, 3, 9, D)
         for layer in (tracked, plain):

@@ -1,5 +1,6 @@
 """End-to-end behaviour of the decode loop on the bundled SmolLM2-135M (30 layers, 9 q / 3 kv heads)."""
 
+import dataclasses
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def test_full_matches_transformers_greedy(smollm):
         assert ours[:n] == ref[:n] and n > 0
 
 
-@pytest.mark.parametrize("method", [m for m in method_names() if m != "full" and SCORERS[m].uses_budget])
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "full" and SCORERS[m].needs.uses_budget])
 def test_budget_at_least_length_reproduces_full(smollm, method):
     full = tokens(smollm, [SHORT, LONG], None)
     ours = tokens(smollm, [SHORT, LONG], make_policy(method, budget=BIG))
@@ -55,7 +56,7 @@ def test_observing_only_before_a_compression_changes_nothing_for_a_last_query_sc
     monkeypatch.setattr(TOVA, "observe", lambda self, *a: calls.append(1) or real_observe(self, *a))
     skipping = tokens(smollm, [SHORT, LONG], policy, n=40)
     skipped_calls = len(calls)
-    monkeypatch.setattr(TOVA, "observes_last_only", False)
+    monkeypatch.setattr(TOVA, "needs", dataclasses.replace(TOVA.needs, observes_last_only=False))
     calls.clear()
     every = tokens(smollm, [SHORT, LONG], make_policy(method, budget=40, interval=8,
                                                       **({"recent": 8} if method == "ams:tova" else {})), n=40)

@@ -53,7 +53,7 @@ def test_transformers_generate_matches_kvsieve_generate(model_tok, method, budge
         policy = make_policy(method, budget, **settings)
         extra = policy.interval + (cache.prompt_max if policy.protect_prompt else 0)
         for layer, layer_budget in zip(cache.layers, cache.schedule.budgets):  # None: a layer the method keeps whole
-            if layer_budget is not None and policy.scorer.uses_budget:  # (LagKV keeps by partitions)
+            if layer_budget is not None and policy.scorer.needs.uses_budget:  # (LagKV keeps by partitions)
                 assert int(layer.lengths.max()) <= layer_budget + extra
 
 

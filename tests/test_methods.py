@@ -11,6 +11,7 @@ no model is loaded.  The reference keeps its own list of (position, key, value) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -39,7 +40,7 @@ MODULE = SimpleNamespace(layer_idx=0)
 SCALE = 0.35
 
 # Methods that keep a budget of tokens (LagKV sets its own size from its partitions).
-BUDGETED = [m for m in method_names()[1:] if SCORERS[m].uses_budget]
+BUDGETED = [m for m in method_names()[1:] if SCORERS[m].needs.uses_budget]
 
 
 # ============================================================================ building caches
@@ -207,7 +208,7 @@ def test_streaming_on_a_full_sequence_is_four_sinks_then_a_contiguous_recent_blo
 
 
 def test_h2o_observe_adds_attention_summed_over_group_and_queries():
-    cache = SieveCache(1, meta_init=H2O.meta_init)
+    cache = SieveCache(1, meta_init=H2O.needs.meta)
     cache.begin_step(torch.arange(5).expand(B, 5))
     cache.update(torch.randn(B, HKV, 5, D), torch.randn(B, HKV, 5, D), 0)
     layer = cache.layers[0]
@@ -246,7 +247,7 @@ def h2o_reference(built: Built) -> list:
 def test_h2o_score_is_total_attention_received_across_steps_and_compaction():
     policy = make_policy("h2o", budget=6)
     assert policy.recent == 3  # half the budget is the recent window (H2O Sec. 5)
-    built = build(1, pad=0, meta_init=policy.scorer.meta_init, observer=policy.observer())
+    built = build(1, pad=0, meta_init=policy.scorer.needs.meta, observer=policy.observer())
     assert_live_scores(built, policy.scorer.score(built.layer, built.seen), h2o_reference(built))
 
 
@@ -274,7 +275,7 @@ def test_h2o_recent_rule_half_or_lazyevictions_window_recorded_and_overridable()
 
 def test_h2o_score_ignores_padding_queries_of_a_left_padded_row():
     policy = make_policy("h2o", budget=6)
-    built = build(1, pad=3, meta_init=policy.scorer.meta_init, observer=policy.observer())
+    built = build(1, pad=3, meta_init=policy.scorer.needs.meta, observer=policy.observer())
     assert_live_scores(built, policy.scorer.score(built.layer, built.seen), h2o_reference(built))
 
 
@@ -295,9 +296,9 @@ def tova_reference(built: Built, heads: str) -> list:
 
 def test_tova_group_score_is_the_last_querys_attention_averaged_over_the_group():
     scorer = TOVA(heads="group")
-    assert scorer.query_window() == 1
+    assert scorer.needs.query_window == 1
     policy = Policy(scorer=scorer, budget=8)
-    built = build(2, window=scorer.query_window(), meta_init=scorer.meta_init, observer=policy.observer())
+    built = build(2, window=scorer.needs.query_window, meta_init=scorer.needs.meta, observer=policy.observer())
     # the score read from the forward pass equals a fresh recomputation over the cache
     torch.testing.assert_close(scorer.score(built.layer, built.seen),
                                scorer.score_per_query_head(built.layer, built.seen).mean(dim=2))
@@ -307,8 +308,8 @@ def test_tova_group_score_is_the_last_querys_attention_averaged_over_the_group()
 def test_tova_layer_score_is_the_last_querys_attention_averaged_over_all_query_heads():
     scorer = TOVA()  # heads="layer" is the paper's choice and the default
     # TOVA-layer keeps the same tokens in every head, so build a cache whose heads agree.
-    built = build(3, window=scorer.query_window(), aligned=True, counts=((7, 7), (5, 5)),
-                  meta_init=scorer.meta_init, observer=Policy(scorer=scorer, budget=8).observer())
+    built = build(3, window=scorer.needs.query_window, aligned=True, counts=((7, 7), (5, 5)),
+                  meta_init=scorer.needs.meta, observer=Policy(scorer=scorer, budget=8).observer())
     scores = scorer.score(built.layer, built.seen)
     assert_live_scores(built, scores, tova_reference(built, "layer"))
     assert torch.equal(scores[:, 0], scores[:, 1])  # one ranking for the whole layer
@@ -406,7 +407,7 @@ def test_rkv_score_is_lambda_importance_minus_weighted_redundancy(lam, threshold
 
 def test_rkv_defaults_window_8_kernel_7_and_redundancy_is_a_distribution_over_live_tokens():
     scorer = RKV()
-    assert (scorer.window, scorer.kernel, scorer.mix_lambda, scorer.query_window()) == (8, 7, 0.1, 8)
+    assert (scorer.window, scorer.kernel, scorer.mix_lambda, scorer.needs.query_window) == (8, 7, 0.1, 8)
     assert scorer.partner_threshold == 0.5  # official rkv/utils.py cal_similarity(threshold=0.5)
     assert make_policy("rkv", budget=512).interval == 128  # R-KV's default interval
     assert make_policy("rkv", budget=64).interval == 32  # capped at budget // 2: a budget stays a bound
@@ -450,7 +451,7 @@ SCORER_FACTORIES = {
 
 def policy_cache(name, seed, **kw):
     policy = SCORER_FACTORIES[name]()
-    built = build(seed, window=policy.scorer.query_window(), meta_init=policy.scorer.meta_init,
+    built = build(seed, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
                   observer=policy.observer(), **kw)
     return policy, built
 
@@ -476,7 +477,7 @@ def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_
     kw = {"window": 4} if name in ("snapkv", "rkv") else {"window": 3} if name == "lazy" else {}  # lazy: B >= 2W
     policy = make_policy(name, budget=6, sinks=2, recent=3, **kw)
     # Row 0 head 1 ends up with fewer live tokens (2 + 3 decoded) than the budget; row 1 is left padded.
-    built = build(seed, window=policy.scorer.query_window(), meta_init=policy.scorer.meta_init,
+    built = build(seed, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
                   observer=policy.observer(), counts=((9, 2), (7, 8)), pad=3)
     layer = built.layer
     before = {(b, h): {p: (k, v) for p, k, v in built.tokens[b][h] if p != DEAD_POS}
@@ -484,7 +485,7 @@ def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_
     compress_layer(layer, policy, 6, built.seen)
 
     assert layer.max_len == int(layer.lengths.max()) <= 6
-    if policy.scorer.slot_order_free:  # evicted in place: the allocation stays (never above steady state)
+    if policy.scorer.needs.slot_order_free:  # evicted in place: the allocation stays (never above steady state)
         assert layer.capacity <= layer.max_len + policy.interval
     else:
         assert layer.capacity == layer.max_len + policy.interval
@@ -497,7 +498,7 @@ def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_
             assert n == min(6, len(live_before))  # uniform: exactly the budget when there is enough
             assert DEAD_POS not in kept  # dead slots are never kept
             assert len(set(kept)) == n  # no duplicates
-            if not policy.scorer.slot_order_free:  # order-free scorers may be evicted in place
+            if not policy.scorer.needs.slot_order_free:  # order-free scorers may be evicted in place
                 assert kept == sorted(kept)  # position order
             assert set(kept) <= set(live_before)
             protected = {p for p in live_before if p < 2 or p >= seen - 3}
@@ -508,7 +509,7 @@ def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_
                 assert torch.equal(layer.values[b, h, s], live_before[p][1])
 
 
-ORDER_FREE = [m for m in BUDGETED if SCORERS[m].slot_order_free]
+ORDER_FREE = [m for m in BUDGETED if SCORERS[m].needs.slot_order_free]
 
 
 @pytest.mark.parametrize("name", ORDER_FREE)
@@ -522,8 +523,8 @@ def test_in_place_eviction_keeps_exactly_what_the_gather_path_keeps(name, monkey
     for in_place in (True, False):
         monkeypatch.setattr(policy_module, "can_evict_in_place", lambda *a, _v=in_place: _v)
         policy = make_policy(name, budget=6, sinks=1, recent=1, interval=3)
-        built = build(3, window=policy.scorer.query_window(), meta_init=policy.scorer.meta_init,
-                      observer=policy.observer(), counts=((6, 6), (6, 5)), aligned=policy.scorer.needs_aligned_heads())
+        built = build(3, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
+                      observer=policy.observer(), counts=((6, 6), (6, 5)), aligned=policy.scorer.needs.aligned_heads)
         layer = built.layer
         score_of = {(b, h, int(p)): float(x) for b in range(B) for h in range(HKV)
                     for p, x in zip(layer.meta["pos"][b, h], policy.scorer.score(layer, built.seen)[b, h])}
@@ -762,3 +763,34 @@ def test_default_interval_is_at_most_half_the_budget_so_a_budget_is_a_bound(name
         assert policy.settings()["interval"] == policy.interval  # recorded in every result row
     assert make_policy("expected", budget=4096).interval == 512
     assert make_policy("expected", budget=128, interval=512).interval == 512
+
+
+# ---------------------------------------------------------------------------- the scorer contract (issue 32)
+def test_a_scorer_declares_its_whole_contract_in_ten_names():
+    """Scorer's public surface: name, about, the two records and six hooks; nothing else is read."""
+    public = {n for n in vars(Scorer) if not n.startswith("_")} - {f.name for f in dataclasses.fields(Scorer)}
+    assert public == {"name", "about", "needs", "defaults", "attach", "observe", "score", "select",
+                      "should_compress", "fit_budget"}
+
+
+def test_a_wrapper_forwards_every_hook_of_the_contract_to_its_base():
+    """A hook a wrapper does not override reaches its base: WrappingScorer overrides each one."""
+    from kvsieve.methods._wrapper import WrappingScorer
+
+    hooks = {n for n, v in vars(Scorer).items() if callable(v) and not n.startswith("_")}
+    assert hooks and hooks <= set(vars(WrappingScorer))
+
+
+@pytest.mark.parametrize("name", ["caote:snapkv", "fastcaote:h2o", "ams:knorm", "ams:caote:tova"])
+def test_a_wrappers_records_derive_from_its_bases(name):
+    """What a wrapper does not change of its base's needs and defaults is the base's."""
+    scorer = make_policy(name, budget=64).scorer
+    base = scorer.inner
+    for field in ("observes", "observes_last_only", "per_token_hook", "whole_layers", "uses_budget"):
+        assert getattr(scorer.needs, field) == getattr(base.needs, field), field
+    assert set(base.needs.meta) <= set(scorer.needs.meta) and set(base.needs.kv_fields) <= set(scorer.needs.kv_fields)
+    assert scorer.needs.query_window >= base.needs.query_window
+    for key, value in type(scorer).schedule.items():
+        assert getattr(scorer.defaults, key) == value
+    untouched = {f.name for f in dataclasses.fields(base.defaults)} - set(type(scorer).schedule)
+    assert all(getattr(scorer.defaults, f) == getattr(base.defaults, f) for f in untouched)

@@ -35,7 +35,8 @@ def test_paper_defaults_and_where_they_show():
     rows = {r["name"]: r["params"] for r in describe_methods()}
     assert rows["rkv"]["protect_prompt"] is True and rows["lazy"]["protect_prompt"] is False
     assert rows["caote:<base>"]["protect_prompt"] is False and rows["ams:<base>"]["protect_prompt"] is False
-    assert all(hasattr(cls, "default_protect_prompt") for cls in (*SCORERS.values(), *WRAPPERS.values()))
+    assert all(isinstance(cls.defaults.protect_prompt, bool) for cls in SCORERS.values())
+    assert all("protect_prompt" in cls.schedule for cls in WRAPPERS.values())
 
 
 def test_a_method_without_a_budget_refuses_it():

@@ -170,7 +170,7 @@ def check_rows(trace, result, model):
 
 def test_rows_leaving_the_batch_keep_their_prompt_index_and_lose_nothing(smollm, early_stop, monkeypatch):
     """generate() drops finished rows (cache.select_rows): cache row 0 is then prompt 1.  Records
-    carry prompt indices, and generate's before_select_rows hook lets the recorder read the
+    carry prompt indices, and generate's on_rows_leave hook lets the recorder read the
     leaving prompt's last records first, so nothing is lost."""
     trace, result = traced_with_early_stop(smollm, early_stop, monkeypatch)
     (got0, want0), (got1, want1) = check_rows(trace, result, smollm[0])

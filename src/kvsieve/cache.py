@@ -33,6 +33,8 @@ upper bound on ``lengths.max()`` kept without reading the device.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -44,7 +46,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 DEAD_POS = torch.iinfo(torch.int32).max
 
 # Per-token fields a layer computes from each token's own key and value as it is appended (a
-# scorer names those it reads in ``Scorer.kv_fields``), so scoring never re-reads the whole
+# scorer names those it reads in ``Needs.kv_fields``), so scoring never re-reads the whole
 # cache for them; they move with K/V like every other per-token field (0 on dead slots).
 KV_FIELDS = {
     "key_norm": lambda k, v: k.float().norm(dim=-1),  # ||k_i||: Knorm, KeyDiff
@@ -55,7 +57,7 @@ KV_FIELDS = {
 # Per-layer sums over the live tokens of a per-token vector, [B, H_kv, D] in float64: added to as
 # tokens are appended, subtracted from as they are evicted, recounted at compaction, so a scorer
 # reading a mean over the cache (FastCAOTE's mean value, KeyDiff's anchor) saves a whole pass
-# over V or K per step (``Scorer.kv_sums`` names those it reads).
+# over V or K per step (``Needs.kv_sums`` names those it reads).
 KV_SUMS = {
     "value_sum": lambda k, v: v.float(),  # FastCAOTE Eq. 22
     "unit_key_sum": lambda k, v: k.float() / k.float().norm(dim=-1, keepdim=True).clamp(min=1e-12),  # KeyDiff
@@ -110,6 +112,61 @@ def kv_field(layer, name: str) -> torch.Tensor:
     if name in layer.meta:
         return layer.meta[name]
     return KV_FIELDS[name](layer.keys, layer.values)
+
+
+@dataclass
+class LayerView:
+    """What a scorer or an analysis reads of one layer: its tensors, per-token state and recent
+    queries (``SieveLayer.view``).  A wrapper scoring a reshaped layer (CAOTE's query heads, AMS's
+    kv heads as rows) builds one with ``dataclasses.replace``; an unreplaced ``meta`` is the
+    layer's own dict, so per-token state written through the view reaches the layer."""
+
+    keys: torch.Tensor  # [B, H_kv, capacity, D]
+    values: torch.Tensor  # [B, H_kv, capacity, D_v]
+    lengths: torch.Tensor  # [B, H_kv]
+    meta: dict[str, torch.Tensor]  # "pos" and per-token state, [B, H_kv, capacity] each
+    sums: dict[str, torch.Tensor]  # running sums (KV_SUMS), [B, H_kv, D]; {} where not kept
+    recent_queries: torch.Tensor | None  # [B, H_q, w, D]
+    recent_query_pos: torch.Tensor | None  # [B, w]
+    scaling: float | None
+    step_results: dict[str, Any]
+    layer_idx: int
+    max_len: int
+
+    def live(self) -> torch.Tensor:
+        """[B, H_kv, capacity] bool: slots holding a real token."""
+        return self.meta["pos"] != DEAD_POS
+
+    def view(self) -> "LayerView":
+        return self
+
+    def repeat_heads(self, group: int) -> "LayerView":
+        """Each kv head repeated ``group`` times along the head dimension (a query head's view)."""
+        def rep(t):
+            return t.repeat_interleave(group, dim=1)
+
+        return dataclasses.replace(self, keys=rep(self.keys), values=rep(self.values), lengths=rep(self.lengths),
+                                   meta={name: rep(t) for name, t in self.meta.items()}, sums={})
+
+    def heads_as_rows(self) -> "LayerView":
+        """Every (row, kv head) as its own row of one kv head: [B * H_kv, 1, ...]."""
+        B, H, cap, D = self.keys.shape
+        queries, qpos = self.recent_queries, self.recent_query_pos
+        if queries is not None:
+            queries = queries.reshape(B * H, queries.shape[1] // H, *queries.shape[2:])
+            qpos = qpos.repeat_interleave(H, dim=0)
+        return dataclasses.replace(
+            self, keys=self.keys.reshape(B * H, 1, cap, D), values=self.values.reshape(B * H, 1, cap, -1),
+            lengths=self.lengths.reshape(B * H, 1), meta={name: t.reshape(B * H, 1, cap) for name, t in self.meta.items()},
+            sums={}, recent_queries=queries, recent_query_pos=qpos)
+
+    def last_queries(self, window: int) -> "LayerView":
+        """Only the newest ``window`` recent queries."""
+        if self.recent_queries is None:
+            return self
+        drop = self.recent_queries.shape[2] - min(window, self.recent_queries.shape[2])
+        return dataclasses.replace(self, recent_queries=self.recent_queries[:, :, drop:],
+                                   recent_query_pos=self.recent_query_pos[:, drop:])
 
 
 class SieveLayer(CacheLayerMixin):
@@ -407,6 +464,11 @@ class SieveLayer(CacheLayerMixin):
         """[B, H_kv, capacity] bool: slots holding a real token."""
         return self.meta["pos"] != DEAD_POS
 
+    def view(self) -> LayerView:
+        """This layer as scorers and analyses read it (shares its tensors and dicts)."""
+        return LayerView(self.keys, self.values, self.lengths, self.meta, self.sums, self.recent_queries,
+                         self.recent_query_pos, self.scaling, self.step_results, self.layer_idx, self.max_len)
+
     def allocated_bytes(self) -> int:
         """Bytes this layer holds right now: K, V, every per-token metadata tensor and running sum."""
         if not self.is_initialized:
@@ -471,8 +533,9 @@ class SieveCache(Cache):
         """A cache carrying the per-token fields and running sums ``scorer`` (None for ``full``) reads."""
         if scorer is None:
             return cls(num_layers, grow_chunk=grow_chunk, **layer_settings)
-        return cls(num_layers, scorer.meta_init, grow_chunk, scorer.kv_fields, scorer.kv_sums,
-                   query_window=scorer.query_window(), **layer_settings)
+        needs = scorer.needs
+        return cls(num_layers, needs.meta, grow_chunk, needs.kv_fields, needs.kv_sums,
+                   query_window=needs.query_window, **layer_settings)
 
     @classmethod
     def for_policy(cls, policy, num_layers: int, horizon: int, static: bool = False,

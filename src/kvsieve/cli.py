@@ -143,7 +143,7 @@ def generate(
     policy = _policy(method, budget, allocator, sinks, recent, interval, _pairs(set_, "--set"), protect_prompt)
     steering = _steering(steering_file, _pairs(steering_set, "--steering-set"))
     if prefill_chunk is None:  # block-wise prefill methods (CAOTE: 128) carry their paper's block size
-        prefill_chunk = getattr(policy.scorer, "prefill_chunk", None) or 512
+        prefill_chunk = (policy.scorer.defaults.prefill_block if policy.scorer else 0) or 512
     try:
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop_strings=tuple(stop), prefill_chunk=prefill_chunk, progress=not as_json,

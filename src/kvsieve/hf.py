@@ -81,11 +81,11 @@ class ScheduledCache(SieveCache):
     def for_generate(cls, model, policy: Policy, horizon: int | None = None, tokenizer=None) -> "ScheduledCache":
         check_supported(model)
         if horizon is None:
-            if policy.scorer is not None and not policy.scorer.uses_budget and policy.budget is not None:
+            if policy.scorer is not None and not policy.scorer.needs.uses_budget and policy.budget is not None:
                 raise ValueError(f"{policy.name} fits its own settings to the row length at a budget: pass "
                                  "horizon=<prompt tokens + max_new_tokens> to SieveCache.for_model")
             horizon = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-        if policy.scorer is not None and policy.scorer.per_token_hook:
+        if policy.scorer is not None and policy.scorer.needs.per_token_hook:
             raise NotImplementedError(
                 f"{policy.name} runs a host hook before every forward pass (SkipKV's sentence tracking), which "
                 "transformers' generate cannot call: use kvsieve.generate for this method")

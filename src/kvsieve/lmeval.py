@@ -165,7 +165,7 @@ class KVSieveLM(TemplateLM):
         self._batch_size = _batch_size(batch_size)
         self._max_gen_toks = int(max_gen_toks or max_new_tokens or DEFAULT_MAX_GEN_TOKS)
         self._max_length = int(max_length) if max_length else None
-        self.prefill_chunk = int(prefill_chunk or getattr(self.policy.scorer, "prefill_chunk", None) or 512)
+        self.prefill_chunk = int(prefill_chunk or (self.policy.scorer.defaults.prefill_block if self.policy.scorer else 0) or 512)
         self.sampling_seed = int(sampling_seed)
         config = self._text_config()
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

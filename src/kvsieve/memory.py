@@ -32,7 +32,7 @@ def bytes_per_slot(model, policy: Policy) -> int:
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=model.dtype).element_size()
-    n_meta = len(policy.scorer.meta_init) + len(policy.scorer.kv_fields) if policy.scorer is not None else 0
+    n_meta = len(policy.scorer.needs.meta) + len(policy.scorer.needs.kv_fields) if policy.scorer is not None else 0
     return 2 * head_dim * element + 8 + 4 * n_meta
 
 

@@ -2,7 +2,7 @@
 
 * A **scorer** (one file per method in ``kvsieve/methods``) says how important each cached
   token is for each (row, kv head): ``score(layer, seen_tokens) -> [B, H_kv, capacity]``,
-  higher is kept.  Stateful scorers declare per-token ``meta_init`` fields (compacted with
+  higher is kept.  Stateful scorers declare per-token ``Needs.meta`` fields (compacted with
   K/V) and update them in ``observe`` from each step's attention rows.
 * An **allocator** (``kvsieve/allocators.py``) turns scores into a keep mask: how many tokens
   each layer and head keeps.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -44,83 +44,166 @@ def register(name: str):
     return add
 
 
+@dataclass(frozen=True)
+class About:
+    """What ``kvsieve methods`` prints for a method: one line of what it does, and where its
+    defaults come from (paper sections, official code)."""
+
+    summary: str = ""
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a scorer needs from the engine: one declared record, read by the engine only.
+
+    meta : dict[str, float]
+        Per-token state fields, each with the value new tokens start with; compacted with K/V
+        by the one gather (``SieveLayer.meta``).
+    kv_fields, kv_sums : tuple[str, ...]
+        Per-token K/V statistics computed at append (``cache.KV_FIELDS``) and running sums over
+        the live tokens (``cache.KV_SUMS``).
+    observes : bool
+        ``observe()`` gets every step's attention rows.
+    observes_last_only : bool
+        The observed state is only the newest query's attention (TOVA): between compressions
+        the engine skips observing (``Policy.observes_step``).
+    query_window : int
+        Recent post-RoPE queries per layer the engine keeps for ``score``.
+    per_token_hook : bool
+        ``attach()`` yields a per-token host callback (SkipKV's sentence tracking): only a kvsieve
+        decode loop can call it, not transformers' own generate (``kvsieve.hf``).
+    slot_order_free : bool
+        Scores are per token and ignore which slot neighbours which (no pooling along the slots,
+        no partitions): the engine may evict in place (``SieveLayer.evict``), moving the newest
+        tokens into freed slots, instead of re-gathering the whole cache.
+    aligned_heads : bool
+        Scores are combined across kv heads slot by slot, which needs every head of a layer to
+        hold the same tokens (so no ragged per-head allocator).
+    whole_layers : int
+        The first ``whole_layers`` layers are never compressed (Knorm's two): they keep every
+        token and get no budget (``Policy.layer_budgets``).
+    uses_budget : bool
+        False: the scorer's own ``select()`` decides how many tokens stay (LagKV's partitions).
+    fitted_fields : tuple[str, ...]
+        A scorer without ``uses_budget`` that maps a budget to its own settings (``fit_budget``)
+        names the fields the fit sets, per batch (LagKV: lag, ratio, ...); empty otherwise.
+    """
+
+    meta: dict[str, float] = field(default_factory=dict)
+    kv_fields: tuple[str, ...] = ()
+    kv_sums: tuple[str, ...] = ()
+    observes: bool = False
+    observes_last_only: bool = False
+    query_window: int = 0
+    per_token_hook: bool = False
+    slot_order_free: bool = False
+    aligned_heads: bool = False
+    whole_layers: int = 0
+    uses_budget: bool = True
+    fitted_fields: tuple[str, ...] = ()
+
+    @property
+    def fits_budget(self) -> bool:
+        """A budget is mapped to the scorer's own settings (``Scorer.fit_budget``)."""
+        return bool(self.fitted_fields)
+
+
+BudgetRule = Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A scorer's schedule when the user sets none (``Policy``'s fields of the same names).
+
+    sinks : int
+        First positions never evicted.
+    recent : int | (budget -> int)
+        Recent positions never evicted, or the method's rule from the budget (H2O: budget // 2;
+        a rule may refuse a budget, naming the fix).
+    interval : int | (budget -> int)
+        Decode steps between compressions.  A number is capped at ``budget // 2`` for a budgeted
+        scorer (``capped_interval``); a rule is the method's own and used as it returns
+        (LazyEviction: W, refusing a budget below 2W).
+    compress_prefill : bool
+        Compress the prompt right after prefill when it exceeds the budget.
+    protect_prompt : bool
+        Keep every prompt token outside the budget (each method file cites its value).
+    prefill_block : int
+        0: the prompt is read whole; m > 0: block-wise prefill eviction is on by default, in blocks
+        of m tokens (CAOTE Sec. 4.1: 128), also the block of an explicit ``prefill_block=True``.
+    recent_doc, interval_doc : str
+        How ``recent`` and ``interval`` depend on the settings, for ``kvsieve methods``.
+    """
+
+    sinks: int = 0
+    recent: int | BudgetRule = 0
+    interval: int | BudgetRule = 1
+    compress_prefill: bool = True
+    protect_prompt: bool = False
+    prefill_block: int = 0
+    recent_doc: str = ""
+    interval_doc: str = ""
+
+    def recent_for(self, budget: int | None) -> int:
+        """The recent window at ``budget``."""
+        return self.recent(budget) if callable(self.recent) else self.recent
+
+    def interval_for(self, budget: int | None, uses_budget: bool = True) -> int:
+        """Decode steps between compressions at ``budget``: the method's rule, or its number capped at
+        ``budget // 2`` for a budgeted scorer (``capped_interval``, see ``Policy``)."""
+        if callable(self.interval):
+            return self.interval(budget)
+        return capped_interval(self.interval, budget if uses_budget else None)
+
+    def describe(self) -> dict[str, Any]:
+        """sinks, recent, interval and protect_prompt as ``kvsieve methods`` lists them."""
+        recent = self.recent_doc or (self.recent if not callable(self.recent) else "budget rule")
+        interval = self.interval_doc or (self.interval if not callable(self.interval) else "budget rule")
+        return {"sinks": self.sinks, "recent": recent, "interval": interval, "protect_prompt": self.protect_prompt}
+
+
+@dataclass(frozen=True)
+class HostHooks:
+    """Host callbacks a scorer's ``attach`` may yield for the decode loop (a bare callable is
+    ``on_tokens``).
+
+    on_tokens : (token_ids [B, T], query_pos [B, T], rows [B]) -> None
+        Called before every forward with the tokens about to be appended (``query_pos``
+        DEAD_POS on padding; ``rows``: each cache row's index in the original batch).
+    on_rows_leave : (keep [B']) -> None
+        Called right before finished rows leave the cache; ``keep`` are the rows that stay.
+    """
+
+    on_tokens: Callable | None = None
+    on_rows_leave: Callable | None = None
+
+    @staticmethod
+    def of(yielded: "HostHooks | Callable | None") -> "HostHooks":
+        """What an ``attach`` yielded, as ``HostHooks`` (a bare callable is ``on_tokens``)."""
+        return yielded if isinstance(yielded, HostHooks) else HostHooks(on_tokens=yielded)
+
+
 @dataclass
 class Scorer:
     """Base class of every scoring method.
 
-    Class attributes say what the method needs from the engine; dataclass fields are its
-    hyperparameters.  Subclasses set ``source`` (paper / code the defaults come from).
+    Its whole contract with the engine: ``needs`` (what it reads and when, a ``Needs``),
+    ``defaults`` (its schedule, a ``Defaults``), ``about`` (what ``kvsieve methods`` prints) and
+    the hooks below.  Dataclass fields are the method's hyperparameters.  A scorer whose needs or
+    defaults depend on its fields sets them in ``__post_init__`` with ``dataclasses.replace``.
     """
 
     name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""
-    source: ClassVar[str] = ""
-    meta_init: ClassVar[dict[str, float]] = {}  # per-token state -> value for new tokens
-    kv_fields: ClassVar[tuple[str, ...]] = ()  # per-token K/V statistics computed at append (cache.KV_FIELDS)
-    kv_sums: ClassVar[tuple[str, ...]] = ()  # running sums over the live tokens (cache.KV_SUMS)
-    observes: ClassVar[bool] = False  # wants observe() with every step's attention rows
-    # True if the observed state is only the newest query's attention (TOVA): between
-    # compressions the engine then skips observing (see Policy.observes_step)
-    observes_last_only: ClassVar[bool] = False
-    uses_budget: ClassVar[bool] = True  # False: the scorer's own select() decides how many tokens stay
-    fits_budget: ClassVar[bool] = False  # uses_budget False but fit_budget() maps a budget to settings
-    fitted_fields: ClassVar[tuple[str, ...]] = ()  # the fields fit_budget() sets, per batch (LagKV: lag, ratio)
-    default_sinks: ClassVar[int] = 0
-    recent_doc: ClassVar[str] = "0"  # how default_recent depends on the budget, for `kvsieve methods`
-    default_interval: ClassVar[int] = 1
-    interval_doc: ClassVar[str | None] = None  # how the interval depends on settings, for `kvsieve methods`
-    default_compress_prefill: ClassVar[bool] = True  # Policy's compress_prefill when the user sets none
-    # True if attach() yields a per-token host callback (SkipKV's sentence tracking): only a
-    # kvsieve decode loop can call it, not transformers' own generate (kvsieve.hf)
-    per_token_hook: ClassVar[bool] = False
-    # Policy's protect_prompt when the user sets none: True if the method's paper (or, where it is
-    # silent, its official code) keeps every prompt token and bounds only the generated ones;
-    # each method file cites where its value comes from
-    default_protect_prompt: ClassVar[bool] = False
-    # True if scores are per token and ignore which slot neighbours which (no pooling along the
-    # slots, no partitions): the engine may then evict in place (SieveLayer.evict), moving the
-    # newest tokens into freed slots, instead of re-gathering the whole cache every step.
-    slot_order_free: ClassVar[bool] = False
-
-    def default_recent(self, budget: int) -> int:
-        """Recent tokens protected from eviction when the user sets none."""
-        return 0
-
-    def interval_for(self, budget: int | None) -> int:
-        """Decode steps between compressions when the user sets none: ``default_interval``,
-        capped at ``budget // 2`` for a budgeted scorer (``capped_interval``, see ``Policy``)."""
-        return capped_interval(self.default_interval, budget if self.uses_budget else None)
-
-    def query_window(self) -> int:
-        """How many recent post-RoPE queries per layer the engine must keep for ``score``."""
-        return 0
-
-    def compresses_layer(self, layer_idx: int) -> bool:
-        """False for a layer the method never compresses (Knorm's first two): it keeps every
-        token, and the policy gives it no budget (``Policy.layer_budgets``)."""
-        return True
+    about: ClassVar[About] = About()
+    needs: ClassVar[Needs] = Needs()
+    defaults: ClassVar[Defaults] = Defaults()
 
     def attach(self, model, tokenizer):
-        """Context manager entered by ``generate`` for one call.  It may yield a callback
-        ``on_tokens(token_ids [B, T], query_pos [B, T], rows [B])`` that the loop calls before
-        every forward with the tokens about to be appended (``query_pos`` is DEAD_POS on padding;
-        ``rows`` is each cache row's index in the original batch).  Scorers that need token text or
-        hidden states (SkipKV) set up here and clean up on exit; the default yields None."""
+        """Context manager entered by ``generate`` for one call.  It may yield host callbacks
+        (``HostHooks``, or a bare ``on_tokens`` callable) the loop calls.  Scorers that need token
+        text or hidden states (SkipKV) set up here and clean up on exit; the default yields None."""
         return contextlib.nullcontext()
-
-    def fit_budget(self, budget: int, horizon: int, feed: "Feed") -> "Scorer":
-        """A copy whose own settings keep at most ``budget`` tokens per row over ``horizon`` tokens
-        fed as ``feed`` says (only scorers with ``fits_budget``, e.g. LagKV)."""
-        raise NotImplementedError(f"{self.name} has no budget-to-settings rule")
-
-    def before_select_rows(self, keep: torch.Tensor) -> None:
-        """Called right before finished rows leave the cache: ``keep`` [B'] are the cache rows
-        that stay (the trace recorder reads pending records of the leaving rows here)."""
-
-    def needs_aligned_heads(self) -> bool:
-        """True if scores are combined across kv heads slot by slot, which needs every head
-        of a layer to hold the same tokens (so no ragged per-head allocator)."""
-        return False
 
     def observe(self, layer: SieveLayer, probs: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor | None:
         """Update per-token state from this step's attention rows [B, H_kv, G, T, capacity]
@@ -128,9 +211,9 @@ class Scorer:
         May return weights [B, H_kv, R, capacity] whose mixes of V the attention pass computes
         alongside its output (``layer.step_results["value_mix"]``, see ``attention.Observer``)."""
 
-    def should_compress(self, layer: SieveLayer, budget: int | None) -> bool:
-        """Host-side decision (no device read) whether this layer compresses now."""
-        return budget is not None and layer.max_len > budget
+    def score(self, layer: SieveLayer, seen_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, H_kv, capacity] importance of each slot (dead slots may hold anything)."""
+        raise NotImplementedError
 
     def select(self, layer: SieveLayer, scores: torch.Tensor, budget: int | None, seen_tokens: torch.Tensor):
         """Optional own selection: return ``(keep_mask [B, H_kv, capacity], K or None)`` to
@@ -140,9 +223,14 @@ class Scorer:
         the prompt tokens score +inf like the other protected tokens."""
         return None
 
-    def score(self, layer: SieveLayer, seen_tokens: torch.Tensor) -> torch.Tensor:
-        """[B, H_kv, capacity] importance of each slot (dead slots may hold anything)."""
-        raise NotImplementedError
+    def should_compress(self, layer: SieveLayer, budget: int | None) -> bool:
+        """Host-side decision (no device read) whether this layer compresses now."""
+        return budget is not None and layer.max_len > budget
+
+    def fit_budget(self, budget: int, horizon: int, feed: "Feed") -> "Scorer":
+        """A copy whose own settings keep at most ``budget`` tokens per row over ``horizon`` tokens
+        fed as ``feed`` says (only scorers with ``needs.fitted_fields``, e.g. LagKV)."""
+        raise NotImplementedError(f"{self.name} has no budget-to-settings rule")
 
 
 def capped_interval(interval: int, budget: int | None) -> int:
@@ -239,7 +327,7 @@ class Policy:
         evicted; ``None`` takes the scorer's default.
     interval : int | None
         Compress every ``interval`` decode steps (the cache peaks at budget + interval).
-        ``None`` takes the scorer's default (``Scorer.interval_for``), capped at ``budget // 2``
+        ``None`` takes the scorer's default (``Defaults.interval_for``), capped at ``budget // 2``
         for a budgeted scorer so that a budget stays a bound (the cache peaks at 1.5 x budget at
         most): AMS's and ``expected``'s 512 (AMS Table 15) are set for budgets of 2k tokens and
         up, and at budget 128 in a 512-token run they would never compress (issue 28).  ``lazy``,
@@ -247,19 +335,20 @@ class Policy:
         An explicit interval is kept as given.
     compress_prefill : bool | None
         Compress the prompt right after prefill when it exceeds the budget; ``None`` takes
-        the scorer's default (``default_compress_prefill``).
+        the scorer's default (``Defaults.compress_prefill``).
     protect_prompt : bool | None
         True: the prompt tokens of each row (positions below its prompt length) are never evicted
         and do not count against the budget, which then bounds the generated tokens only: a layer
         keeps ``prompt_len[row] + budget`` tokens per head, per row (rows of a left-padded batch
         have their own prompt lengths, so their own bounds).  False: prompt and generated tokens
-        compete for one budget.  ``None`` takes the scorer's default (``default_protect_prompt``:
+        compete for one budget.  ``None`` takes the scorer's default (``Defaults.protect_prompt``:
         its paper's reading, cited in each method file).  Needs a budgeted method: LagKV's
         partitions set their own size and refuse it.
-    prefill_block : bool | int
+    prefill_block : bool | int | None
+        ``None`` takes the scorer's default (``Defaults.prefill_block``: on for CAOTE).
         Read the prompt in blocks and compress after each one (block-wise prefill eviction,
         CAOTE Sec. 2 Eqs. 3-7), whatever ``GenerateConfig.prefill_chunk`` says.  ``True``: blocks
-        of the scorer's ``prefill_chunk`` if it has one, else ``PREFILL_BLOCK`` (128, CAOTE
+        of the scorer's ``Defaults.prefill_block`` if it sets one, else ``PREFILL_BLOCK`` (128, CAOTE
         Sec. 4.1), so a base compared with CAOTE prefills the same way (the paper's Table 10);
         an integer: blocks of that many tokens.
     """
@@ -271,40 +360,45 @@ class Policy:
     recent: int | None = None
     interval: int | None = None
     compress_prefill: bool | None = None
-    prefill_block: bool | int = False
+    prefill_block: bool | int | None = None
     protect_prompt: bool | None = None
 
     def __post_init__(self):
+        defaults = self.scorer.defaults if self.scorer is not None else Defaults()
         if self.compress_prefill is None:
-            self.compress_prefill = self.scorer.default_compress_prefill if self.scorer is not None else True
+            self.compress_prefill = defaults.compress_prefill
         if self.protect_prompt is None:
-            self.protect_prompt = self.scorer.default_protect_prompt if self.scorer is not None else False
+            self.protect_prompt = defaults.protect_prompt
+        if self.prefill_block is None:
+            self.prefill_block = defaults.prefill_block > 0
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be true or false, got {self.protect_prompt!r}")
         if self.allocator is None:
             self.allocator = Uniform()
         if self.scorer is None:
             return
-        if self.scorer.uses_budget and (self.budget is None or int(self.budget) <= 0):
+        needs = self.scorer.needs
+        if needs.uses_budget and (self.budget is None or int(self.budget) <= 0):
             raise ValueError(f"method {self.scorer.name!r} needs a positive --budget (tokens per row and kv head)")
-        if not self.scorer.uses_budget and not self.scorer.fits_budget and self.budget is not None:
+        if not needs.uses_budget and not needs.fits_budget and self.budget is not None:
             raise ValueError(f"method {self.scorer.name!r} sets its own cache size; drop --budget")
-        self.sinks = self.scorer.default_sinks if self.sinks is None else self.sinks
+        self.sinks = defaults.sinks if self.sinks is None else self.sinks
         # the interval before the recent window: a scorer that refuses a budget for its default
         # interval (lazy: B < 2W) says so before any narrower check of its recent window
-        self.interval = self.scorer.interval_for(self.budget) if self.interval is None else self.interval
-        self.recent = self.scorer.default_recent(self.budget) if self.recent is None else self.recent
+        if self.interval is None:
+            self.interval = defaults.interval_for(self.budget, needs.uses_budget)
+        self.recent = defaults.recent_for(self.budget) if self.recent is None else self.recent
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks ({self.sinks}) and recent ({self.recent}) must be >= 0")
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
         if self.prefill_block is not True and self.prefill_block is not False and int(self.prefill_block) < 1:
             raise ValueError(f"prefill_block must be True, False or a block size >= 1, got {self.prefill_block}")
-        if self.protect_prompt and not self.scorer.uses_budget:
+        if self.protect_prompt and not needs.uses_budget:
             raise ValueError(
                 f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
                 "cannot be set apart from the budget; drop protect_prompt (set it false)")
-        if self.scorer.needs_aligned_heads() and self.allocator.ragged_heads:
+        if needs.aligned_heads and self.allocator.ragged_heads:
             raise ValueError(
                 f"{self.scorer.name} with these settings averages scores across kv heads slot by slot, "
                 f"which needs heads to keep the same tokens; allocator {self.allocator.name!r} makes them "
@@ -321,7 +415,7 @@ class Policy:
         if self.scorer is None or self.prefill_block is False:  # 0 is refused in __post_init__
             return None
         if self.prefill_block is True:
-            return getattr(self.scorer, "prefill_chunk", None) or PREFILL_BLOCK
+            return self.scorer.defaults.prefill_block or PREFILL_BLOCK
         return int(self.prefill_block)
 
     @property
@@ -349,7 +443,7 @@ class Policy:
         """The policy to run for rows of at most ``horizon`` tokens whose longest prompt is
         ``prompt`` (0: not known): a self-sizing scorer given a budget (``fits_budget``) gets
         settings fitted to it and this schedule; every other policy is returned as is."""
-        if self.scorer is None or self.scorer.uses_budget or self.budget is None:
+        if self.scorer is None or self.scorer.needs.uses_budget or self.budget is None:
             return self
         fitted = self.scorer.fit_budget(int(self.budget), horizon, self.feed(prompt))
         return dataclasses.replace(self, scorer=fitted)
@@ -358,7 +452,7 @@ class Policy:
         if self.scorer is None or self.budget is None:
             return [None] * num_layers
         budgets = self.allocator.layer_budgets(self.budget, num_layers, self.sinks + self.recent)
-        return [b if self.scorer.compresses_layer(i) else None for i, b in enumerate(budgets)]
+        return [b if i >= self.scorer.needs.whole_layers else None for i, b in enumerate(budgets)]
 
     def layer_bound(self, cache: SieveCache, budget: int | None) -> int | None:
         """Host-side upper bound on the tokens a layer of budget ``budget`` keeps per (row, head):
@@ -378,13 +472,13 @@ class Policy:
         (never when it observes nothing): every step, unless the scorer keeps only the newest query's attention
         (``observes_last_only``); that is read only by the compression after steps
         I-1, 2I-1, ..., so the other steps run the fused attention path (no probabilities)."""
-        if self.scorer is None or not self.scorer.observes:
+        if self.scorer is None or not self.scorer.needs.observes:
             return False
-        return not self.scorer.observes_last_only or (step + 1) % self.interval == 0
+        return not self.scorer.needs.observes_last_only or (step + 1) % self.interval == 0
 
     def observer(self):
         """The attention-row callback for the attention function, or None."""
-        if self.scorer is None or not self.scorer.observes:
+        if self.scorer is None or not self.scorer.needs.observes:
             return None
         return lambda layer, layer_idx, probs, query_pos: self.scorer.observe(layer, probs, query_pos)
 
@@ -499,7 +593,7 @@ def can_evict_in_place(layer: SieveLayer, policy: Policy, budget: int) -> bool:
     every head, and the layer is already at its steady capacity (budget + interval), so that
     nothing would be returned by reallocating (right after prefill it would).  ``budget``: the
     layer's bound (with a protected prompt, budget + ``SieveCache.prompt_max``)."""
-    return (policy.scorer.slot_order_free and not policy.allocator.ragged_heads
+    return (policy.scorer.needs.slot_order_free and not policy.allocator.ragged_heads
             and layer.capacity <= budget + policy.interval and layer.max_len - budget <= policy.interval)
 
 

@@ -14,7 +14,7 @@ same way::
 advanced on the host, and device state (lengths, positions, per-token scores, ``seen_tokens``)
 stays on the device.  That is what lets ``compile=True`` run the fixed-capacity step through
 ``torch.compile(fullgraph=True)``: Inductor on CPU, CUDA graphs (``mode="reduce-overhead"``) on
-CUDA.  Every-step policies that evict in place (``Scorer.slot_order_free``: tova, h2o,
+CUDA.  Every-step policies that evict in place (``Needs.slot_order_free``: tova, h2o,
 streaming, knorm, keydiff, random, caote on those) evict inside the compiled step; interval
 policies compress eagerly every ``interval`` steps, copying back into the same storage.
 
@@ -32,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from typing import Callable
 
 import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, cache_kwarg_name, check_supported
 from .cache import DEAD_POS, SieveCache
-from .policy import Policy, evict_in_place
+from .policy import HostHooks, Policy, evict_in_place
 from .schedule import Schedule
 
 # Full caches in a compiled session are allocated to a multiple of this many slots, so prompts
@@ -161,6 +162,7 @@ class DecodeSession:
         self.slots: list[int | None] = list(range(batch_size))
         self.rows = torch.arange(batch_size, device=self.device)  # the same, on the device (fillers: their old row)
         self.on_tokens: list = []  # per-token host hooks, called before every forward
+        self.on_rows_leave: list = []  # host hooks called before finished rows leave the cache
         self.steps = 0  # decode steps done
         self.compile_s = 0.0  # seconds spent in steps that compiled a graph
         self.compiled_steps = 0  # steps that ran the compiled function
@@ -171,7 +173,7 @@ class DecodeSession:
         self.live_kv_trace: list[tuple[int, float]] = []  # (decode step, mean live tokens per row, layer, head)
         self.peak_kv_bytes = [0] * batch_size
         # Every-step policies that may drop tokens in place do so inside the step.
-        self.evicts_in_step = (self.scorer is not None and self.scorer.slot_order_free and policy.interval == 1
+        self.evicts_in_step = (self.scorer is not None and self.scorer.needs.slot_order_free and policy.interval == 1
                                and not policy.allocator.ragged_heads)
         self._compiled = compiled_decode_step(self.device.type) if compile else None
 
@@ -186,9 +188,7 @@ class DecodeSession:
             with contextlib.ExitStack() as stack:
                 for hook in (self.scorer, *hooks):
                     if hook is not None:
-                        callback = stack.enter_context(hook.attach(self.model, tokenizer))
-                        if callback is not None:
-                            self.on_tokens.append(callback)
+                        self._add_hooks(stack.enter_context(hook.attach(self.model, tokenizer)))
                 if self.on_tokens:  # host hooks watch every step and compression: the eager path
                     self.evicts_in_step = False  # evictions go through compress_layer, where hooks see them
                     if self.compile:
@@ -198,7 +198,16 @@ class DecodeSession:
                 yield self
         finally:
             self.on_tokens.clear()
+            self.on_rows_leave.clear()
             self.model.set_attn_implementation(previous)
+
+    def _add_hooks(self, hooks: HostHooks | Callable | None) -> None:
+        """Take the host callbacks an ``attach`` yielded (a bare callable is ``on_tokens``)."""
+        hooks = HostHooks.of(hooks)
+        if hooks.on_tokens is not None:
+            self.on_tokens.append(hooks.on_tokens)
+        if hooks.on_rows_leave is not None:
+            self.on_rows_leave.append(hooks.on_rows_leave)
 
     # ------------------------------------------------------------------ forward passes
     def _pass(self, tokens: torch.Tensor, query_pos: torch.Tensor | None, observer, logits_to_keep: int = 1,
@@ -329,8 +338,8 @@ class DecodeSession:
         fillers = [r for r, slot in enumerate(self.slots) if slot is None][: size - len(running)]
         keep = sorted(running + fillers)
         keep_t = torch.tensor(keep, device=self.device)  # once per shrink, not per step
-        if self.scorer is not None:
-            self.scorer.before_select_rows(keep_t)
+        for leave in self.on_rows_leave:
+            leave(keep_t)
         self.cache.select_rows(keep_t)
         self.rows = self.rows[keep_t]
         self.slots = [self.slots[r] for r in keep]

@@ -203,9 +203,9 @@ def test_ema_credit_update_and_mixture():
 def small_cache(policy, seed=0, prompt=(30, 24), decode=6):
     """Prefill two rows (row 1 left padded), drop padding, decode a few steps."""
     g = torch.Generator().manual_seed(seed)
-    cache = SieveCache(1, meta_init=policy.scorer.meta_init, grow_chunk=8)
+    cache = SieveCache(1, meta_init=policy.scorer.needs.meta, grow_chunk=8)
     layer = cache.layers[0]
-    layer.query_window = policy.scorer.query_window()
+    layer.query_window = policy.scorer.needs.query_window
     P = max(prompt)
     pos = torch.tensor([[DEAD_POS] * (P - p) + list(range(p)) for p in prompt])
 
@@ -283,7 +283,7 @@ def test_heads_keep_different_tokens_and_segments_guarantee_coverage():
 
 def test_base_sees_only_its_own_window_and_layer_averaging_bases_score_per_head():
     policy = make_policy("ams:rkv", budget=16, sinks=2, recent=3, interval=4, window=4, mass_window=12)
-    assert (policy.scorer.inner.window, policy.scorer.mass_window, policy.scorer.query_window()) == (4, 12, 12)
+    assert (policy.scorer.inner.window, policy.scorer.mass_window, policy.scorer.needs.query_window) == (4, 12, 12)
     layer, seen = small_cache(policy)
     ams_scores = policy.scorer.score(layer, seen)
     layer.recent_queries, layer.recent_query_pos = layer.recent_queries[:, :, -4:], layer.recent_query_pos[:, -4:]
@@ -306,12 +306,12 @@ def test_wrapper_registration_settings_and_errors():
     assert (paper.sinks, paper.recent, paper.interval, paper.compress_prefill) == (4, 32, 32, False)  # 512 capped at B/2
     assert make_policy("ams:tova", budget=2048).interval == 512  # Table 15's I where the budget allows it
     assert make_policy("ams:tova", budget=64, interval=512).interval == 512  # an explicit interval is kept
-    assert paper.scorer.name == "ams:tova" and paper.scorer.query_window() == 128
+    assert paper.scorer.name == "ams:tova" and paper.scorer.needs.query_window == 128
     s = released.scorer
     released_values = (s.mass_window, s.delta, s.l_min, s.l_max, s.q_min, s.ema_lambda, s.ema_beta)
     assert released_values == (32, 0.02, 32, 1024, 8, 0.8, 0.7)
     assert (s.segmentation, s.order, released.recent) == ("batch", "alg1", 32)
-    assert make_policy("ams:expected", budget=64).scorer.query_window() == 256  # HS buffer of the base
+    assert make_policy("ams:expected", budget=64).scorer.needs.query_window == 256  # HS buffer of the base
     assert any(r["name"] == "ams:<base>" for r in describe_methods())
     with pytest.raises(ValueError, match="order must be one of"):
         make_policy("ams:tova", budget=64, order="first")

@@ -28,7 +28,7 @@ from kvsieve.policy import indices_from_mask
 B, H, G, D = 2, 2, 3, 8
 HQ = H * G
 SCALE = 0.4
-CAOTE_BLOCK = WRAPPERS["caote"].prefill_chunk  # 128, Sec. 4.1
+CAOTE_BLOCK = WRAPPERS["caote"].schedule["prefill_block"]  # 128, Sec. 4.1
 SHORT = "What is 7 times 8?"
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "
         "to drink. One day it met a heron standing on one leg. Tell me, in two sentences, what the fox said.")
@@ -173,7 +173,7 @@ def test_tova_per_query_head_scores_are_each_heads_attention_row_or_their_layer_
     """Group mode: each query head's own row ([B, H, G, cap], recomputed from the last query).
     Layer mode: the layer mean, read from the state observed in the forward pass ([B, H, 1, cap])."""
     policy = make_policy("tova", budget=8, heads=heads)
-    layer, seen = decode_cache(6, ragged=heads == "group", meta_init=policy.scorer.meta_init,
+    layer, seen = decode_cache(6, ragged=heads == "group", meta_init=policy.scorer.needs.meta,
                                observer=policy.observer())  # layer mode: every head holds the same tokens
     fast = policy.scorer.score_per_query_head(layer, seen)
     assert fast.shape[2] == (G if heads == "group" else 1)
@@ -204,7 +204,7 @@ def test_h2o_score_is_the_output_change_with_its_sums_normalised_eq_21():
     """H2O's accumulated attention per kv head (one row, G' = 1) divided by its sum (Eq. 21,
     sum h > 1 by Thm. B.1): the score is the brute-force change of o = h V."""
     policy = make_policy("caote:h2o", budget=4)
-    layer, seen = decode_cache(2, meta_init=policy.scorer.meta_init)
+    layer, seen = decode_cache(2, meta_init=policy.scorer.needs.meta)
     layer.meta["acc"] = torch.rand(layer.meta["acc"].shape, generator=torch.Generator().manual_seed(3)) * 5
     scores = policy.scorer.score(layer, seen)
     for b in range(B):
@@ -221,9 +221,9 @@ def test_layer_averaged_tova_gives_one_score_per_layer_from_every_heads_change()
     so evicting a token changes every query head's output: the score is the norm of all those
     changes together (App. B.2 Case 2 over the layer), the same for every kv head."""
     policy = make_policy("caote:tova", budget=4)
-    layer, seen = decode_cache(4, ragged=False, meta_init=policy.scorer.meta_init,
+    layer, seen = decode_cache(4, ragged=False, meta_init=policy.scorer.needs.meta,
                                observer=policy.observer())  # TOVA's layer average needs aligned heads
-    assert policy.scorer.needs_aligned_heads()
+    assert policy.scorer.needs.aligned_heads
     scores = policy.scorer.score(layer, seen)
     for b in range(B):
         slots = live_slots(layer, b, 0)
@@ -241,7 +241,7 @@ def test_output_from_the_attention_pass_gives_the_same_scores(method, settings):
     attention pass, which returns o = h V (Eq. 20) and o.v_j with its own output; scores from
     them equal scores recomputed at compression, and any change to the store drops them."""
     policy = make_policy(method, budget=4, **settings)
-    layer, seen = decode_cache(7, meta_init=policy.scorer.meta_init, observer=policy.observer())
+    layer, seen = decode_cache(7, meta_init=policy.scorer.needs.meta, observer=policy.observer())
     h, out, dots = layer.step_results["value_mix"]
     assert h.shape[:2] == (B, H) and h.shape[-1] == layer.capacity
     if method.startswith("fast"):  # uniform weights: the mean of the live values (Eq. 22)
@@ -283,10 +283,10 @@ def test_wrapper_keeps_the_base_schedule_state_and_settings():
     base, wrapped = make_policy("h2o", budget=64), make_policy("caote:h2o", budget=64)
     assert wrapped.name == wrapped.settings()["method"] == "caote:h2o"
     assert (wrapped.sinks, wrapped.recent, wrapped.interval) == (base.sinks, base.recent, base.interval) == (0, 32, 1)
-    assert wrapped.scorer.meta_init == base.scorer.meta_init and wrapped.scorer.observes
+    assert wrapped.scorer.needs.meta == base.scorer.needs.meta and wrapped.scorer.needs.observes
     assert wrapped.prefill_block and not base.prefill_block  # CAOTE prefills block-wise (Sec. 4.1)
     assert not make_policy("caote:h2o", budget=64, prefill_block=False).prefill_block
-    cache = SieveCache(2, meta_init=base.scorer.meta_init)
+    cache = SieveCache(2, meta_init=base.scorer.needs.meta)
     cache.begin_step(torch.arange(5).expand(B, 5))
     for i in range(2):
         cache.update(torch.randn(B, H, 5, D), torch.randn(B, H, 5, D), i)
@@ -295,7 +295,7 @@ def test_wrapper_keeps_the_base_schedule_state_and_settings():
     wrapped.observer()(cache.layers[1], 1, probs, None)
     assert torch.equal(cache.layers[0].meta["acc"], cache.layers[1].meta["acc"])  # H2O's own update
     tova = make_policy("caote:tova", budget=64, heads="group", recent=4)
-    assert tova.scorer.inner.heads == "group" and tova.recent == 4 and tova.scorer.query_window() == 1
+    assert tova.scorer.inner.heads == "group" and tova.recent == 4 and tova.scorer.needs.query_window == 1
     assert make_policy("fastcaote:snapkv", budget=96).recent == 64  # SnapKV's window is still protected
 
 
@@ -312,7 +312,7 @@ def test_decode_evicts_one_token_per_generated_token_whatever_the_base(prefix):
         assert policy.settings()["interval"] == 1
     assert make_policy(f"{prefix}:snapkv", budget=256, interval=8).interval == 8  # an explicit setting wins
     row = {r["name"]: r for r in describe_methods()}[f"{prefix}:<base>"]
-    assert row["params"] == {"interval": 1, "prefill_block": True, "protect_prompt": False}  # Sec. 4.1: the prompt is evicted too
+    assert row["params"] == {"interval": 1, "prefill_block": 128, "protect_prompt": False}  # Sec. 4.1: the prompt is evicted too
 
 
 def test_settings_report_the_base_methods_settings():

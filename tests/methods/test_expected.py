@@ -148,7 +148,7 @@ def test_settings_defaults_and_errors():
     assert (s.epsilon, s.n_future, s.hs_buffer, s.sinks) == (1e-2, 512, 256, 4)
     assert (policy.sinks, policy.recent, policy.interval, policy.compress_prefill) == (4, 0, 32, False)  # 512 capped at B/2
     assert make_policy("expected", budget=2048).interval == 512  # AMS Table 15's I where the budget allows
-    assert s.query_window() == 256
+    assert s.needs.query_window == 256
     assert make_policy("expected", budget=64, sinks=2).scorer.sinks == 2  # shared with the policy
     with pytest.raises(ValueError, match="rope_theta"):
         make_policy("expected", budget=64, rope_theta=0.5)

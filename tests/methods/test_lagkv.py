@@ -440,8 +440,8 @@ def test_hand_settings_are_flagged_against_the_grid_and_the_fit_fields_are_fitte
     settings = make_policy("lagkv", budget=128, off_grid=True).for_horizon(700).settings()
     assert settings["in_paper_grid"] is False and settings["off_grid"] is True
     assert "OFF the paper's grid" in settings["fit_note"] and "failing regime" in settings["fit_note"]
-    assert {"lag", "ratio", "in_paper_grid", "fit_note"} <= set(LagKV.fitted_fields)  # resume compares the rest
-    assert "off_grid" not in LagKV.fitted_fields  # a setting of the cell, compared on resume
+    assert {"lag", "ratio", "in_paper_grid", "fit_note"} <= set(LagKV.needs.fitted_fields)  # resume compares the rest
+    assert "off_grid" not in LagKV.needs.fitted_fields  # a setting of the cell, compared on resume
     with pytest.raises(ValueError, match="min_fill"):
         make_policy("lagkv", min_fill=1.5)
 
@@ -470,7 +470,7 @@ def test_long_row_compresses_without_attention_weights_short_row_is_untouched(sm
     monkeypatch.setattr(attention_module, "window_attention", refuse)
     S, L, k = 4, 32, 8
     policy = make_policy("lagkv", sinks=S, lag=L, ratio=0.25)
-    assert policy.observer() is None and policy.scorer.query_window() == 0
+    assert policy.observer() is None and policy.scorer.needs.query_window == 0
     result = generate(*smollm, [SHORT, LONG], policy, GenerateConfig(max_new_tokens=24, check_every=1))
     fed = [s.prompt_tokens + s.generated_tokens - 1 for s in result.stats]
     assert fed[0] < S + 2 * L <= fed[1]

@@ -57,7 +57,7 @@ def meta_at(layer, name, p):
 # ---------------------------------------------------------------------------- Eq. (1), Algorithm 1
 def test_ts_then_mri_in_algorithm_order_with_mri_from_the_previous_ts():
     scorer = LazyEviction(alpha=0.1)
-    cache = prefill(scorer.meta_init, 4)
+    cache = prefill(scorer.needs.meta, 4)
     layer = cache.layers[0]
     scorer.observe(layer, torch.zeros(1, 1, 1, 4, layer.capacity), torch.arange(4)[None])
     assert layer.meta["ts"][0, 0, :4].tolist() == [3, 3, 3, 3]  # born at the prefill (step 0: position 3)
@@ -103,12 +103,12 @@ def test_a_prefill_chunk_equals_its_queries_as_single_steps_when_the_prompt_is_o
     n, alpha = 9, 0.2
     P = torch.rand(n, n, generator=g).tril() * 0.5  # causal rows
     scorer = LazyEviction(alpha=alpha, observe_prompt=True)
-    chunk = prefill(scorer.meta_init, n)
+    chunk = prefill(scorer.needs.meta, n)
     layer = chunk.layers[0]
     probs = torch.zeros(1, 1, 1, n, layer.capacity)
     probs[0, 0, 0, :, :n] = P
     scorer.observe(layer, probs, torch.arange(n)[None])
-    single = prefill(scorer.meta_init, 1)
+    single = prefill(scorer.needs.meta, 1)
     for q in range(n):
         if q:
             append(single, q)
@@ -128,7 +128,7 @@ def test_by_default_only_decoding_steps_update_timestamps_as_in_algorithm_1():
     P = torch.rand(n, n, generator=g).tril() * 0.5
     scorer = LazyEviction(alpha=alpha)
     assert scorer.observe_prompt is False
-    cache = prefill(scorer.meta_init, prompt)
+    cache = prefill(scorer.needs.meta, prompt)
     layer = cache.layers[0]
     probs = torch.zeros(1, 1, 1, prompt, layer.capacity)
     probs[0, 0, 0, :, :prompt] = P[:prompt, :prompt]
@@ -182,7 +182,7 @@ def test_prompt_tokens_first_attended_while_decoding_match_a_decoding_step_simul
     lengths = [DECODING[r][0] for r in (0, 1)]
     width = max(lengths)
     prompt_pos = torch.tensor([[p - (width - n) if p >= width - n else DEAD_POS for p in range(width)] for n in lengths])
-    cache = SieveCache(1, meta_init=scorer.meta_init)
+    cache = SieveCache(1, meta_init=scorer.needs.meta)
     layer = None
     for chunk in (slice(0, 4), slice(4, width)):  # prefill chunks: their attention is no step
         qpos = prompt_pos[:, chunk]
@@ -225,7 +225,7 @@ def test_prompt_birth_is_a_checked_setting_recorded_in_the_policy():
                                                  ("max", 6e-4, True), ("sum", 1e-3, True), ("sum", 1.2e-3, False)])
 def test_gqa_reduction_decides_activation(how, alpha, activated):
     scorer = LazyEviction(alpha=alpha, head_reduction=how)
-    cache = prefill(scorer.meta_init, 3)
+    cache = prefill(scorer.needs.meta, 3)
     layer = cache.layers[0]
     probs = torch.zeros(1, 1, 2, 1, layer.capacity)
     probs[0, 0, :, 0, 0] = torch.tensor([3e-4, 8e-4])  # mean 5.5e-4, max 8e-4, sum 1.1e-3
@@ -235,7 +235,7 @@ def test_gqa_reduction_decides_activation(how, alpha, activated):
 
 def test_padding_queries_and_dead_slots_never_activate():
     scorer = LazyEviction(alpha=1e-4, observe_prompt=True)  # a multi-query (prefill) call that is observed
-    cache = SieveCache(1, meta_init=scorer.meta_init)
+    cache = SieveCache(1, meta_init=scorer.needs.meta)
     qpos = torch.tensor([[DEAD_POS, DEAD_POS, 0, 1]])  # a left-padded row
     cache.begin_step(qpos)
     cache.update(torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), 0)
@@ -301,7 +301,7 @@ def test_importance_is_h1_plus_h2_except_h1_alone_at_mri_zero():
 
 def test_score_reads_t_from_seen_tokens_and_uses_the_stored_state():
     scorer = LazyEviction()
-    cache = prefill(scorer.meta_init, 3)
+    cache = prefill(scorer.needs.meta, 3)
     layer = cache.layers[0]
     layer.meta["ts"][0, 0, :3] = torch.tensor([0.0, 6.0, 9.0])
     layer.meta["mri"][0, 0, :3] = torch.tensor([3.0, 2.0, 0.0])
@@ -315,7 +315,7 @@ def test_lagged_eviction_keeps_the_w_newest_and_the_top_b_minus_w():
     policy = make_policy("lazy", budget=B_, window=W)
     N = B_ + W
     g = torch.Generator().manual_seed(1)
-    cache = prefill(policy.scorer.meta_init, N, B=2, H=2)
+    cache = prefill(policy.scorer.needs.meta, N, B=2, H=2)
     layer = cache.layers[0]
     pos = layer.meta["pos"][..., :N].float()
     layer.meta["ts"][..., :N] = pos + ((N - 1 - pos) * torch.rand(2, 2, N, generator=g)).floor()

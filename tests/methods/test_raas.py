@@ -22,7 +22,7 @@ MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
 def decode_steps(scorer, n_prompt, attended: dict, n_steps):
     """Prefill n_prompt tokens, then n_steps decode steps; attended[step position] lists the
     positions whose attention reaches alpha at that step (everything else gets 0)."""
-    cache = SieveCache(1, meta_init=scorer.meta_init, grow_chunk=8)
+    cache = SieveCache(1, meta_init=scorer.needs.meta, grow_chunk=8)
     cache.begin_step(torch.arange(n_prompt)[None])
     cache.update(torch.randn(1, 1, n_prompt, 4), torch.randn(1, 1, n_prompt, 4), 0)
     layer = cache.layers[0]

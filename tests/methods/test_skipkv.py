@@ -25,7 +25,7 @@ def one_layer(scorer, pos, G=2, D=8, window=4, seed=0):
     last ``window`` positions as recorded queries."""
     g = torch.Generator().manual_seed(seed)
     B, T = pos.shape
-    cache = SieveCache(1, meta_init=scorer.meta_init, grow_chunk=8)
+    cache = SieveCache(1, meta_init=scorer.needs.meta, grow_chunk=8)
     cache.begin_step(pos)
     layer = cache.layers[0]
     layer.update(torch.randn(B, 1, T, D, generator=g), torch.randn(B, 1, T, D, generator=g), pos)

@@ -15,6 +15,7 @@ apart.  ``recommended_window`` is the smallest W with MRI <= W for 80% of them; 
 the JSON key ``lazy`` reads for ``window="auto"``.  The histogram PNG is written beside it.
 """
 
+import contextlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 from ..generate import GenerateConfig, generate
 from ..methods._timestamps import resolve_alpha
 from ..methods.lazy import LazyEviction
-from ..policy import Policy, Scorer
+from ..policy import HostHooks, Needs, Policy, Scorer
 
 DEFAULT_DATASET = Path("/work/shared/data/gsm8k_train.jsonl")
 PROMPT_FIELDS = ("question", "problem", "prompt")  # GSM8K, MATH-500 / AIME24, AIME25
@@ -40,9 +41,8 @@ class MRIRecorder(Scorer):
     ``head_reduction``) and never evicts.  Keeps the layers it observed so their final state can
     be read after ``generate`` returns (the cache itself is not returned)."""
 
-    meta_init = LazyEviction.meta_init
-    observes = True
-    uses_budget = False  # no budget: nothing is ever compressed
+    # lazy's per-token state; no budget: nothing is ever compressed
+    needs = Needs(meta=LazyEviction.needs.meta, observes=True, uses_budget=False)
     alpha: float = 1e-4
     head_reduction: str = "mean"
     layers: dict = field(default_factory=dict, init=False, repr=False)
@@ -52,7 +52,11 @@ class MRIRecorder(Scorer):
     def __post_init__(self):
         self.tracker = LazyEviction(alpha=self.alpha, head_reduction=self.head_reduction)
 
-    def before_select_rows(self, keep):
+    @contextlib.contextmanager
+    def attach(self, model, tokenizer):
+        yield HostHooks(on_rows_leave=self.rows_leave)
+
+    def rows_leave(self, keep):
         """Rows that finished leave the cache: keep their final MRIs first."""
         leaving = torch.ones(self.rows(), dtype=torch.bool, device=keep.device)
         leaving[keep] = False

@@ -15,7 +15,7 @@ mapping through the ``rows`` argument of the per-forward callback that ``attach`
 record is attributed to the prompt it was taken from however many rows left before it was read.
 
 Reads are lazy (at the next call from the engine).  ``generate`` calls
-``TracingScorer.before_select_rows`` just before ``cache.select_rows``, which reads everything
+``TracingScorer.attach``'s ``on_rows_leave`` just before ``cache.select_rows``, which reads everything
 due, so a prompt leaving the batch right after a compression keeps its last records; a record
 that still cannot be read is counted in ``Trace.lost``, never attributed to another prompt.
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policy import Policy
+from ..policy import HostHooks, Policy
 
 
 @dataclass
@@ -174,19 +174,22 @@ class TracingScorer:
             raise ValueError("a TraceRecorder records one generate call: call recorder.finish() before "
                              "generating again with the policy it wrapped (or wrap the policy again)")
         rec.attached = True
-        with self.inner.attach(model, tokenizer) as inner_callback:
+        with self.inner.attach(model, tokenizer) as yielded:
+            inner = HostHooks.of(yielded)
 
             def on_tokens(token_ids, query_pos, rows):
                 rec.follow(rows)
-                if inner_callback is not None:
-                    inner_callback(token_ids, query_pos, rows)
+                if inner.on_tokens is not None:
+                    inner.on_tokens(token_ids, query_pos, rows)
 
-            yield on_tokens
+            def on_rows_leave(keep: torch.Tensor) -> None:
+                """Cache rows not in ``keep`` are about to leave the batch: read every record still
+                due while they are there (nothing is then lost to a row's departure)."""
+                rec.flush()
+                if inner.on_rows_leave is not None:
+                    inner.on_rows_leave(keep)
 
-    def before_select_rows(self, keep: torch.Tensor) -> None:
-        """Engine hook: cache rows not in ``keep`` are about to leave the batch; read every record
-        still due while they are there (nothing is then lost to a row's departure)."""
-        self._recording.flush()
+            yield HostHooks(on_tokens=on_tokens, on_rows_leave=on_rows_leave)
 
     def should_compress(self, layer, budget):
         self._recording.flush()

@@ -95,7 +95,7 @@ class _Timed:
         self.first_pos = length - self.held
         self.seen = length  # tokens each row has seen when timing starts
         settings = {"window": 16} if method == "lazy" else {}
-        budgeted = method == "full" or SCORERS[method.split(":")[-1]].uses_budget
+        budgeted = method == "full" or SCORERS[method.split(":")[-1]].needs.uses_budget
         self.policy = make_policy(method, budget=None if method == "full" or not budgeted else self.held, **settings)
         self.interval = self.policy.interval if self.policy.scorer else 1
         self.partitions = not budgeted  # LagKV: frozen partitions + a tail, compressed every L tokens
@@ -158,7 +158,7 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     (``lag_steady_state``): ``length`` live tokens, all but a tail of L to L + k - 1 in frozen
     partitions, one compression per L steps; with ``budget`` set they are not timed (nan, nan).
     """
-    if budget is not None and method != "full" and not SCORERS[method.split(":")[-1]].uses_budget:
+    if budget is not None and method != "full" and not SCORERS[method.split(":")[-1]].needs.uses_budget:
         return float("nan"), float("nan")
     full = _Timed(model, "full", batch, length, steps, None, compile)
     ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget, compile)

@@ -205,7 +205,7 @@ def check_cell_settings(config: EvalConfig, cell_settings: dict[Cell, dict], wor
             continue
         policy = make_cell_policy(config, cell)
         now = json.loads(json.dumps(policy.settings()))  # tuples as the rows store them
-        fitted = policy.scorer.fitted_fields if policy.scorer is not None else ()
+        fitted = policy.scorer.needs.fitted_fields if policy.scorer is not None else ()
         keys = [k for k in now if k not in fitted and cell_settings[cell].get(k) != now[k]]
         changed += [f"{cell_label(cell)} {k}: {cell_settings[cell].get(k)!r} before, {now[k]!r} now" for k in keys]
     if changed:

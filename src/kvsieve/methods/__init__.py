@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 
 from ..allocators import ALLOCATORS, make_allocator
-from ..policy import SCORERS, Policy, capped_interval
+from ..policy import SCORERS, Policy, Scorer
 from ._wrapper import BASE_SETTINGS
 
 # Wrapper methods hold another method's scorer and are named "<prefix>:<base>" (``caote:tova``).
@@ -21,8 +21,8 @@ WRAPPERS: dict[str, type] = {}
 
 
 def register_wrapper(prefix: str):
-    """Class decorator: ``<prefix>:<base>`` builds the base's policy, then swaps its scorer for
-    ``cls(base_scorer, **own settings)``; ``cls.schedule_defaults`` replace the Policy defaults."""
+    """Class decorator: ``<prefix>:<base>`` is ``cls(base scorer, **own settings)``, whose records
+    derive from the base's (``WrappingScorer.wrap``; ``cls.schedule`` replaces the base's defaults)."""
 
     def add(cls):
         if prefix in WRAPPERS or prefix in SCORERS:
@@ -60,53 +60,54 @@ def takes_budget(name: str) -> bool:
         return takes_budget(base)
     if name not in SCORERS:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
-    return SCORERS[name].uses_budget or SCORERS[name].fits_budget
+    needs = SCORERS[name].needs
+    return needs.uses_budget or needs.fits_budget
 
 
 def sizes_itself(name: str, settings: dict) -> bool:
     """Whether ``name`` under ``settings`` runs without a budget although it can take one: a
-    method whose budget is mapped to its own settings (LagKV's L and r, ``fitted_fields``) keeps
-    those settings when the user gives any of them, so a budget would have nothing to fit."""
+    method whose budget is mapped to its own settings (LagKV's L and r, ``Needs.fitted_fields``)
+    keeps those settings when the user gives any of them, so a budget would have nothing to fit."""
     if not takes_budget(name) or ":" in name:
         return False
-    cls = SCORERS[name]
-    return not cls.uses_budget and any(key in cls.fitted_fields for key in settings)
+    needs = SCORERS[name].needs
+    return not needs.uses_budget and any(key in needs.fitted_fields for key in settings)
 
 
 def make_policy(name: str, budget: int | None = None, allocator: str = "uniform", **settings) -> Policy:
     """Build the policy called ``name``; errors name what is allowed."""
     if name == "full":
         return Policy(scorer=None)
+    scorer = make_scorer(name, settings)  # takes the scorers' own settings out of ``settings``
+    schedule_kw = {k: v for k, v in settings.items() if k in SCHEDULE_FIELDS}
+    alloc_kw = {k[len("allocator_"):]: v for k, v in settings.items() if k.startswith("allocator_")}
+    return Policy(scorer=scorer, budget=budget, allocator=make_allocator(allocator, **alloc_kw), **schedule_kw)
+
+
+def make_scorer(name: str, settings: dict) -> Scorer:
+    """The scorer called ``name``, built from (and taking out of ``settings``) its own settings.
+    ``<prefix>:<base>``: the wrapper's own fields go to it, every other setting to the base, and
+    the wrapper derives its records from the base's (``WrappingScorer.wrap``)."""
     if ":" in name:
-        return _make_wrapped(name, budget, allocator, **settings)
+        prefix, base = name.split(":", 1)
+        if prefix not in WRAPPERS:
+            raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
+        cls = WRAPPERS[prefix]
+        own = {f.name for f in dataclasses.fields(cls) if f.init} - {BASE_SETTINGS}  # a report, never set
+        wrapper_kw = {k: settings.pop(k) for k in list(settings) if k in own}
+        return cls(make_scorer(base, settings), **wrapper_kw)
     if name not in SCORERS:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
     cls = SCORERS[name]
     scorer_fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    scorer_kw = {k: v for k, v in settings.items() if k in scorer_fields}
-    schedule_kw = {k: v for k, v in settings.items() if k in SCHEDULE_FIELDS}
-    alloc_kw = {k[len("allocator_"):]: v for k, v in settings.items() if k.startswith("allocator_")}
-    unknown = set(settings) - set(scorer_kw) - set(schedule_kw) - {f"allocator_{k}" for k in alloc_kw}
+    unknown = {k for k in settings if k not in scorer_fields and k not in SCHEDULE_FIELDS
+               and not k.startswith("allocator_")}
     if unknown:
         allowed = sorted(scorer_fields | set(SCHEDULE_FIELDS))
         raise ValueError(f"unknown setting(s) {sorted(unknown)} for {name!r}; allowed: {allowed} or allocator_*")
-    return Policy(scorer=cls(**scorer_kw), budget=budget, allocator=make_allocator(allocator, **alloc_kw), **schedule_kw)
-
-
-def _make_wrapped(name: str, budget, allocator: str, **settings) -> Policy:
-    """``<prefix>:<base>``: the wrapper's own fields go to it, every other setting to the base."""
-    prefix, base = name.split(":", 1)
-    if prefix not in WRAPPERS:
-        raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
-    cls = WRAPPERS[prefix]
-    own = {f.name for f in dataclasses.fields(cls) if f.init} - {BASE_SETTINGS}  # a report, never set
-    wrapper_kw = {k: settings.pop(k) for k in list(settings) if k in own}
-    defaults = dict(getattr(cls, "schedule_defaults", {}))
-    if "interval" in defaults and budget is not None and "interval" not in settings:
-        # the wrapper's default interval obeys the same cap as a scorer's (Policy: budget // 2)
-        defaults["interval"] = capped_interval(defaults["interval"], budget)
-    policy = make_policy(base, budget, allocator, **{**defaults, **settings})
-    return dataclasses.replace(policy, scorer=cls(policy.scorer, **wrapper_kw))
+    # a field named like a schedule setting (expected's and lagkv's ``sinks``) is shared with the policy
+    return cls(**{k: settings[k] if k in SCHEDULE_FIELDS else settings.pop(k) for k in list(settings)
+                  if k in scorer_fields})
 
 
 def describe_methods() -> list[dict]:
@@ -115,14 +116,14 @@ def describe_methods() -> list[dict]:
     for name in sorted(SCORERS):
         cls = SCORERS[name]
         params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
-        schedule = {"sinks": cls.default_sinks, "recent": cls.recent_doc, "interval": cls.interval_doc or cls.default_interval,
-                    "protect_prompt": cls.default_protect_prompt}
-        rows.append({"name": name, "summary": cls.summary, "params": {**params, **schedule}, "source": cls.source})
+        rows.append({"name": name, "summary": cls.about.summary, "params": {**params, **cls.defaults.describe()},
+                     "source": cls.about.source})
     for prefix in sorted(WRAPPERS):
         cls = WRAPPERS[prefix]
         own = {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.name != BASE_SETTINGS}
-        params = {**own, **getattr(cls, "schedule_defaults", {})}
-        rows.append({"name": f"{prefix}:<base>", "summary": cls.summary, "params": params, "source": cls.source})
+        schedule = {k: v for k, v in cls.schedule.items() if not k.endswith("_doc")}
+        rows.append({"name": f"{prefix}:<base>", "summary": cls.about.summary, "params": {**own, **schedule},
+                     "source": cls.about.source})
     for name, cls in ALLOCATORS.items():
         params = {f.name: f.default for f in dataclasses.fields(cls)}
         rows.append({"name": f"allocator:{name}", "summary": cls.summary, "params": params, "source": cls.source})

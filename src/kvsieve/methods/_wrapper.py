@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import InitVar, dataclass, field
+from typing import ClassVar
 
 from ..policy import Scorer
 
@@ -18,8 +19,13 @@ def scorer_settings(scorer: Scorer) -> dict:
 
 @dataclass
 class WrappingScorer(Scorer):
-    """A scorer around a base scorer (``self.inner``) that forwards the engine's per-call and
-    per-step hooks to it; subclasses change how scores are made from the base's.
+    """A scorer around a base scorer (``self.inner``); subclasses change how scores are made
+    from the base's.
+
+    The engine reads a scorer's ``needs`` and ``defaults`` only, and a wrapper's are built from
+    its base's (``dataclasses.replace``): what a wrapper does not change is the base's.  Every hook
+    of the ``Scorer`` contract reaches the base here unless a subclass overrides it
+    (``tests/test_methods.py`` checks that none is left out).
 
     Parameters
     ----------
@@ -36,13 +42,17 @@ class WrappingScorer(Scorer):
 
     inner: InitVar[Scorer | None] = None
     base: dict = field(default_factory=dict)
+    # The wrapper's own schedule: ``Defaults`` fields that replace the base's (``kvsieve methods``
+    # lists them as the wrapper's defaults).
+    schedule: ClassVar[dict] = {}
 
-    def wrap(self, prefix: str, inner: Scorer | None, example: str) -> None:
-        """Check the base scorer ``inner``, record its settings in ``base`` and take over what the
-        engine reads from it (per-token state, observing)."""
+    def wrap(self, prefix: str, inner: Scorer | None, example: str, **needs) -> None:
+        """Check the base scorer ``inner``, record its settings in ``base``, and derive this
+        wrapper's records from the base's: its ``needs`` with ``needs`` replaced, its defaults
+        with ``schedule`` replaced."""
         if inner is None:
             raise ValueError(f"{prefix} needs a base method: use '{prefix}:<base>', e.g. {prefix}:{example}")
-        if not inner.uses_budget:
+        if not inner.needs.uses_budget:
             raise ValueError(f"{prefix} needs a budgeted base; {inner.name!r} sets its own cache size")
         if self.base:
             raise ValueError(f"{prefix}: {BASE_SETTINGS!r} reports the base method's settings and cannot be set; "
@@ -50,24 +60,25 @@ class WrappingScorer(Scorer):
         self.inner = inner
         self.base = scorer_settings(inner)
         self.name = f"{prefix}:{inner.name}"
-        self.meta_init, self.kv_fields, self.observes = inner.meta_init, inner.kv_fields, inner.observes
-        self.kv_sums = inner.kv_sums
-        self.observes_last_only = inner.observes_last_only
-        self.per_token_hook = inner.per_token_hook
+        self.needs = dataclasses.replace(inner.needs, **needs)
+        self.defaults = dataclasses.replace(inner.defaults, **self.schedule)
 
     def attach(self, model, tokenizer):
         """The base's per-call hook (SkipKV's sentence table and hidden-state read): a wrapper
-        needs none of its own, but without this a base that sets up in ``attach`` would run blind."""
+        needs none of its own, but without it a base that sets up in ``attach`` would run blind."""
         return self.inner.attach(model, tokenizer)
-
-    def before_select_rows(self, keep):
-        self.inner.before_select_rows(keep)
 
     def observe(self, layer, probs, query_pos):
         return self.inner.observe(layer, probs, query_pos)
 
+    def score(self, layer, seen_tokens):
+        return self.inner.score(layer, seen_tokens)
+
+    def select(self, layer, scores, budget, seen_tokens):
+        return self.inner.select(layer, scores, budget, seen_tokens)
+
     def should_compress(self, layer, budget):
         return self.inner.should_compress(layer, budget)
 
-    def compresses_layer(self, layer_idx):
-        return self.inner.compresses_layer(layer_idx)
+    def fit_budget(self, budget, horizon, feed):
+        return self.inner.fit_budget(budget, horizon, feed)

@@ -1,5 +1,7 @@
 """AMS: Adaptive Mass-Segmented KV compression, allocate-then-score around any base scorer.
 
+arXiv:2605.23200; official code: github.com/EIT-NLP/AdaptiveMassSegment.
+
 Based on Yang & Shen, "Adaptive Mass-Segmented KV Compression for Long-Form Reasoning" (AMS;
 code github.com/EIT-NLP/AdaptiveMassSegment).  ``ams:<base>`` wraps any budgeted scorer; the
 paper's bases are ``tova``, ``expected``, ``keydiff`` and ``rkv`` (Tables 1, 5); other bases
@@ -39,7 +41,7 @@ event, prompt + I when the prompt is longer than T_keep).
 Hidden-state buffer (Table 15: 256): in the released controller (kvpress ``DecodingPress``) the
 last <= 256 hidden states of decoded tokens, emptied at every compression, from which a scorer
 recomputes its queries (AMS's window W, Expected Attention's statistics).  kvsieve's engine
-keeps each layer's last ``query_window()`` post-RoPE queries instead: AMS asks for
+keeps each layer's last ``Needs.query_window`` post-RoPE queries instead: AMS asks for
 max(W, the base's window) and hands the base only its own window; ``expected`` has its
 ``hs_buffer`` (256).  Gap (needs engine support): kvsieve's window is not emptied at a
 compression, so when I < buffer it also holds queries from before the last event (and prompt
@@ -47,7 +49,7 @@ queries when fewer than W tokens were decoded); with the paper's I = 512 >= 256 
 two agree.  The released W is also capped at buffer - 1 queries; kvsieve uses up to W.
 
 Heads (Sec. 3.1): every kv head keeps its own tokens.  A base that averages scores over the
-layer's kv heads slot by slot (``needs_aligned_heads``, e.g. TOVA's default) would mix different
+layer's kv heads slot by slot (``Needs.aligned_heads``, e.g. TOVA's default) would mix different
 tokens once heads differ, so it scores each kv head as its own row (TOVA: its group mean).
 """
 
@@ -61,7 +63,7 @@ import torch
 
 from ..attention import window_attention
 from ..cache import DEAD_POS
-from ..policy import HEAD_REDUCTIONS, check_choice, indices_from_mask, pool_along_sequence, reduce_group
+from ..policy import HEAD_REDUCTIONS, About, check_choice, indices_from_mask, pool_along_sequence, reduce_group
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 
@@ -244,36 +246,6 @@ def fill_to_budget(chosen, must, sink, score, valid, keep) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- the wrapper
-class _BaseView:
-    """The layer as the base scorer sees it (compression time only): only the base's own query
-    window, and, if ``per_head``, every kv head as its own row of one kv head."""
-
-    def __init__(self, layer, window: int, per_head: bool):
-        self._layer = layer
-        queries, qpos = layer.recent_queries, layer.recent_query_pos
-        if queries is not None:
-            drop = queries.shape[2] - min(window, queries.shape[2])
-            queries, qpos = queries[:, :, drop:], qpos[:, drop:]
-        self.keys, self.values, self.lengths, self.meta = layer.keys, layer.values, layer.lengths, layer.meta
-        self.recent_queries, self.recent_query_pos = queries, qpos
-        self.rows = 1
-        if per_head:
-            B, H, cap, D = layer.keys.shape
-            self.rows = H
-            self.keys, self.values = self.keys.reshape(B * H, 1, cap, D), self.values.reshape(B * H, 1, cap, -1)
-            self.lengths = self.lengths.reshape(B * H, 1)
-            self.meta = {name: t.reshape(B * H, 1, cap) for name, t in layer.meta.items()}
-            if queries is not None:
-                self.recent_queries = queries.reshape(B * H, queries.shape[1] // H, *queries.shape[2:])
-                self.recent_query_pos = qpos.repeat_interleave(H, dim=0)
-
-    def live(self):
-        return self.meta["pos"] != DEAD_POS
-
-    def __getattr__(self, name):  # scaling, capacity, max_len, layer_idx, ...
-        return getattr(self._layer, name)
-
-
 @register_wrapper("ams")
 @dataclass
 class AMS(WrappingScorer):
@@ -312,7 +284,7 @@ class AMS(WrappingScorer):
     order : str, default "sec3.3"
         Must-keep before quotas (Sec. 3.3) or quotas, then must-keep, then trim ("alg1").
 
-    Schedule defaults (``schedule_defaults``): sinks 4 (Table 15), recent 32 (open; released
+    Schedule defaults (``schedule``, replacing the base's ``Defaults``): sinks 4 (Table 15), recent 32 (open; released
     ``always_keep_last=32``), interval I = 512 (Table 15), decode-only (App. B.2, Table 12:
     ``compress_prefill`` and ``prefill_block`` False, whatever the base's own schedule);
     ``protect_prompt`` False: the cache, prompt included, is capped at T_keep (App. B.1-B.2).
@@ -334,14 +306,13 @@ class AMS(WrappingScorer):
     order: str = "sec3.3"
     _raw: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     prefix: ClassVar[str] = "ams"
-    summary: ClassVar[str] = "allocate-then-score: attention-mass segments get quotas, the base picks inside"
-    source: ClassVar[str] = ("AMS (Yang & Shen) Alg. 1, Sec. 3.2-3.3, App. B.2/B.4, Table 15; "
-                             "open settings: released code")
-    schedule_defaults: ClassVar[dict] = {"sinks": 4, "recent": 32, "interval": 512, "compress_prefill": False,
-                                         "prefill_block": False, "protect_prompt": False}
+    about: ClassVar[About] = About(
+        "allocate-then-score: attention-mass segments get quotas, the base picks inside",
+        "AMS (Yang & Shen) Alg. 1, Sec. 3.2-3.3, App. B.2/B.4, Table 15; open settings: released code")
     # protect_prompt False: App. B.2 "cap the per-layer cache length at T_keep", prompt included;
     # only sinks and the recent suffix are always kept (and Sec. 3.3's must-keep set has no prompt)
-    default_protect_prompt: ClassVar[bool] = False
+    schedule: ClassVar[dict] = {"sinks": 4, "recent": 32, "interval": 512, "compress_prefill": False,
+                                "prefill_block": 0, "protect_prompt": False, "recent_doc": "", "interval_doc": ""}
 
     def __post_init__(self, inner):
         if self.mass_window < 1 or self.mass_kernel < 1 or self.q_min < 0 or not 1 <= self.l_min <= self.l_max:
@@ -355,21 +326,20 @@ class AMS(WrappingScorer):
         check_choice(self.padding, ("missing", "suffix"), f"{self.prefix} padding")
         check_choice(self.segmentation, ("row", "batch"), f"{self.prefix} segmentation")
         check_choice(self.order, ("sec3.3", "alg1"), f"{self.prefix} order")
-        self.wrap(self.prefix, inner, example="expected")
-        self.meta_init = {**inner.meta_init, **({CREDIT: 0.0} if self.use_credit else {})}
-        self.default_sinks, self.default_interval = self.schedule_defaults["sinks"], self.schedule_defaults["interval"]
-        self.default_compress_prefill = False
-
-    def default_recent(self, budget):
-        return self.schedule_defaults["recent"]
-
-    def query_window(self):
-        return max(self.mass_window, self.inner.query_window())
+        # Segments and quotas read slots in position order, and every kv head keeps its own tokens
+        # (Sec. 3.1): a base that aligns heads is asked per kv head (``score``)
+        self.wrap(self.prefix, inner, example="expected",
+                  meta={**inner.needs.meta, **({CREDIT: 0.0} if self.use_credit else {})},
+                  query_window=max(self.mass_window, inner.needs.query_window),
+                  slot_order_free=False, aligned_heads=False)
 
     def score(self, layer, seen_tokens):
-        """The base's scores g [B, H_kv, cap] (Alg. 1 line 32)."""
-        view = _BaseView(layer, self.inner.query_window(), self.inner.needs_aligned_heads())
-        g = self.inner.score(view, seen_tokens.repeat_interleave(view.rows))
+        """The base's scores g [B, H_kv, cap] (Alg. 1 line 32): the base sees only its own query
+        window, and a base that aligns heads sees every kv head as its own row."""
+        view, rows = layer.view().last_queries(self.inner.needs.query_window), 1
+        if self.inner.needs.aligned_heads:
+            view, rows = view.heads_as_rows(), layer.keys.shape[1]
+        g = self.inner.score(view, seen_tokens.repeat_interleave(rows))
         g = g.reshape(layer.keys.shape[:3])
         if self.order == "alg1":  # Alg. 1 ranks must-keep tokens by g too; the engine masks them +inf
             self._raw[layer.layer_idx] = g
@@ -377,7 +347,7 @@ class AMS(WrappingScorer):
 
     def mass(self, layer) -> torch.Tensor:
         """Steps 1-2: the (history-aware) mass [B, H_kv, cap]; updates the credit in place."""
-        window = _BaseView(layer, self.mass_window, per_head=False)
+        window = layer.view().last_queries(self.mass_window)
         probs = window_attention(window)  # [B, H, G, W, cap]
         live = layer.live()
         mass = quality_mass(probs, window.recent_query_pos, layer.meta["pos"], live, self.mass_kernel,
@@ -437,6 +407,6 @@ class AMSReleased(AMS):
     segmentation: str = "batch"
     order: str = "alg1"
     prefix: ClassVar[str] = "ams-released"
-    summary: ClassVar[str] = "AMS with the authors' released settings (preset)"
-    source: ClassVar[str] = ("github.com/EIT-NLP/AdaptiveMassSegment README (window 32, delta .02, L 32/1024, "
-                             "q_min 8, ...)")
+    about: ClassVar[About] = About(
+        "AMS with the authors' released settings (preset)",
+        "github.com/EIT-NLP/AdaptiveMassSegment README (window 32, delta .02, L 32/1024, q_min 8, ...)")

@@ -1,5 +1,7 @@
 """CAOTE: evict the token whose removal changes the attention output least.
 
+arXiv:2504.14051; official code: none published.
+
 Based on "CAOTE: KV Caching through Attention Output Error based Token Eviction" (Sec. 3).
 For one query with attention a over the b + 1 cached tokens and values v, evicting token j
 and renormalising the rest changes the output o = sum_i a_i v_i by exactly
@@ -17,10 +19,10 @@ true per-head attention: ``caote:tova`` with ``heads="group"``.
 
 Schedule (Sec. 2 "During generation, the flow remains same with m=1"; Thm. 3.2; App. A):
 Eq. (8) is the exact error of evicting *one* token after *one* new token, so while decoding
-every wrapper here compresses every step (``interval`` 1, ``schedule_defaults``), whatever the
+every wrapper here compresses every step (``interval`` 1, ``CAOTE.schedule``), whatever the
 base's own interval (SnapKV's 64, R-KV's and SkipKV's 128); an explicit ``interval=`` still
 wins.  Prefill is block-wise (Sec. 2 Eqs. 3-7, Sec. 4.1), ``prefill_block`` on by default; the
-block m is the paper's 128 (Sec. 4.1, ``CAOTE.prefill_chunk``), used by the engine for every
+block m is the paper's 128 (Sec. 4.1, ``Defaults.prefill_block``), used by the engine for every
 block-wise prefill whatever ``GenerateConfig.prefill_chunk`` says.  The m tokens evicted after
 a block are scored independently (App. A: "even assuming multi-token eviction independently").
 To compare with a base as the paper does (Tables 2-10), run the base under the same schedule:
@@ -35,9 +37,11 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import DEAD_POS, kv_field, kv_sum
+from ..cache import kv_field, kv_sum
+from ..policy import About
 from . import register_wrapper
 from ._wrapper import WrappingScorer
+from .tova import TOVA
 
 
 def retention_weights(scores: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -101,24 +105,6 @@ def caote_errors(scores: torch.Tensor, values: torch.Tensor, live: torch.Tensor,
     return output_errors(h, values, output_of(h, values, live, fast, value_sum), value_sqnorm)
 
 
-class _PerQueryHead:
-    """A layer as seen by a base scorer asked for per-query-head scores: K, V and per-token
-    state repeated onto each of the G query heads of a group (compression time only)."""
-
-    def __init__(self, layer, group: int):
-        self._layer = layer
-        self.keys = layer.keys.repeat_interleave(group, dim=1)
-        self.values = layer.values.repeat_interleave(group, dim=1)
-        self.lengths = layer.lengths.repeat_interleave(group, dim=1)
-        self.meta = {name: t.repeat_interleave(group, dim=1) for name, t in layer.meta.items()}
-
-    def live(self):
-        return self.meta["pos"] != DEAD_POS
-
-    def __getattr__(self, name):  # queries, positions, scaling, capacity, max_len
-        return getattr(self._layer, name)
-
-
 @register_wrapper("caote")
 @dataclass
 class CAOTE(WrappingScorer):
@@ -127,50 +113,37 @@ class CAOTE(WrappingScorer):
     No own hyperparameters: the base's settings (reported under ``base`` in the policy's
     settings), the budget, sinks and recent window are set as for the base.
 
-    Schedule defaults (``schedule_defaults``)
+    Schedule defaults (``schedule``, replacing the base's ``Defaults``)
     ----------------------------------------
     interval : 1
         One eviction per generated token (Sec. 2 "m=1" during generation, Thm. 3.2), for every
         base; replaces the base's own default interval.
     prefill_block : True
         Compress after every prefill chunk (block-wise prefill, Sec. 2 Eqs. 3-7 and Sec. 4.1).
-        Blocks of m = 128 tokens (``CAOTE.prefill_chunk``, Sec. 4.1), in ``generate``, ``eval``
+        Blocks of m = 128 tokens (``Defaults.prefill_block``, Sec. 4.1), in ``generate``, ``eval``
         and the CLI alike (``DecodeSession.prefill``).
     protect_prompt : False
         Prompt tokens compete for the budget (Sec. 4.1: they are evicted block-wise once the
         cache reaches it), for every base, as for the interval.
     """
 
-    summary: ClassVar[str] = "evict the token whose removal changes the attention output least (any base)"
-    source: ClassVar[str] = ("CAOTE Sec. 3 (Eqs. 8, 20-21), App. B.2 heads; one eviction per decode step "
-                             "(Sec. 2, Thm. 3.2); block-wise prefill m=128 (Sec. 4.1)")
+    about: ClassVar[About] = About(
+        "evict the token whose removal changes the attention output least (any base)",
+        "CAOTE Sec. 3 (Eqs. 8, 20-21), App. B.2 heads; one eviction per decode step (Sec. 2, Thm. 3.2); "
+        "block-wise prefill m=128 (Sec. 4.1)")
     fast: ClassVar[bool] = False
-    schedule_defaults: ClassVar[dict] = {"interval": 1, "prefill_block": True, "protect_prompt": False}
-    # protect_prompt False: Sec. 4.1 "Prompt consumption": prompt tokens are evicted block-wise once
-    # the cache reaches the budget, so they compete with generated tokens (whatever the base's default)
-    default_protect_prompt: ClassVar[bool] = False
-    prefill_chunk: ClassVar[int] = 128  # block m of Sec. 4.1 (DecodeSession.prefill reads it)
-    default_interval: ClassVar[int] = 1  # Sec. 2 / Thm. 3.2: the same as schedule_defaults["interval"]
+    # interval 1: Sec. 2 / Thm. 3.2; prefill_block 128: block m of Sec. 4.1; protect_prompt False: Sec. 4.1
+    # "Prompt consumption": prompt tokens are evicted block-wise once the cache reaches the budget, so they
+    # compete with generated tokens (whatever the base's default)
+    schedule: ClassVar[dict] = {"interval": 1, "prefill_block": 128, "protect_prompt": False, "interval_doc": ""}
 
     def __post_init__(self, inner):
-        self.wrap("fastcaote" if self.fast else "caote", inner, example="tova")
-        self.kv_fields = tuple(dict.fromkeys((*inner.kv_fields, "value_sqnorm")))  # ||v_j||^2 kept per token
-        if self.fast:  # Eq. 22's mean value from a running sum
-            self.kv_sums = tuple(dict.fromkeys((*inner.kv_sums, "value_sum")))
-        self.slot_order_free = inner.slot_order_free  # Eq. 8 is per token: order-free iff the base is
-        self.default_sinks = inner.default_sinks
-
-    def default_recent(self, budget):
-        return self.inner.default_recent(budget)
-
-    def query_window(self):
-        return self.inner.query_window()
-
-    def needs_aligned_heads(self):
-        return self.inner.needs_aligned_heads()
-
-    def select(self, layer, scores, budget, seen_tokens):
-        return self.inner.select(layer, scores, budget, seen_tokens)
+        # ||v_j||^2 kept per token; Eq. 22's mean value from a running sum (FastCAOTE).  Eq. 8 is per
+        # token, so every other need (slot-order freedom included) is the base's.
+        sums = (*inner.needs.kv_sums, "value_sum") if self.fast else inner.needs.kv_sums
+        self.wrap("fastcaote" if self.fast else "caote", inner, example="tova",
+                  kv_fields=tuple(dict.fromkeys((*inner.needs.kv_fields, "value_sqnorm"))),
+                  kv_sums=tuple(dict.fromkeys(sums)))
 
     def base_scores(self, layer, seen_tokens) -> torch.Tensor:
         """Base scores per query head, [B, H_kv, G', cap]: G' = 1 for a base that reads no
@@ -180,14 +153,14 @@ class CAOTE(WrappingScorer):
         group = self._group(layer)
         if group == 1:
             return self.inner.score(layer, seen_tokens)[:, :, None]
-        if hasattr(self.inner, "score_per_query_head"):  # no K/V copy per query head (TOVA)
+        if isinstance(self.inner, TOVA):  # its own per-query-head scores: no K/V copy per query head
             return self.inner.score_per_query_head(layer, seen_tokens)
-        return self.inner.score(_PerQueryHead(layer, group), seen_tokens).reshape(B, H, group, -1)
+        return self.inner.score(layer.view().repeat_heads(group), seen_tokens).reshape(B, H, group, -1)
 
     def _group(self, layer) -> int:
         """Query heads per kv head as the base sees them (1 for a base that reads no queries)."""
         queries = layer.recent_queries
-        if self.inner.query_window() > 0 and queries is not None:
+        if self.inner.needs.query_window > 0 and queries is not None:
             return queries.shape[1] // layer.lengths.shape[1]
         return 1
 
@@ -221,12 +194,12 @@ class CAOTE(WrappingScorer):
                 out, dots = output_of(h, layer.values, live, self.fast, value_sum), None
         errors = output_errors(h, layer.values, out, kv_field(layer, "value_sqnorm"), dots)  # [B, H, G', cap]
         copies = self._group(layer) // h.shape[2]  # query heads each of the G' rows stands for
-        if errors.shape[2] == 1 and copies == 1 and not self.needs_aligned_heads():
+        if errors.shape[2] == 1 and copies == 1 and not self.needs.aligned_heads:
             return errors[:, :, 0]
         squared = errors.square_().sum(dim=2)  # App. B.2: concatenated heads of each kv group
         if copies != 1:
             squared.mul_(copies)
-        if self.needs_aligned_heads():  # one decision per layer: every head's change counts
+        if self.needs.aligned_heads:  # one decision per layer: every head's change counts
             return squared.sum(dim=1, keepdim=True).sqrt_().expand_as(squared)
         return squared.sqrt_()  # [B, H_kv, cap]
 
@@ -238,6 +211,6 @@ class FastCAOTE(CAOTE):
     cache's running sum of live values (``cache.KV_SUMS["value_sum"]``), so a step costs one pass
     over V (each token's distance to the mean), not two."""
 
-    summary: ClassVar[str] = "CAOTE with the mean value in place of the output (FastCAOTE, any base)"
-    source: ClassVar[str] = "CAOTE Sec. 3.3, Eq. 22"
+    about: ClassVar[About] = About("CAOTE with the mean value in place of the output (FastCAOTE, any base)",
+                                   "CAOTE Sec. 3.3, Eq. 22")
     fast: ClassVar[bool] = True

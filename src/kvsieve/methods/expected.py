@@ -1,5 +1,7 @@
 """Expected Attention: score each key by the attention that future queries are expected to pay it.
 
+arXiv:2510.00636; official code: github.com/NVIDIA/kvpress (ExpectedAttentionPress).
+
 Based on Devoto, Jeblick & Jégou, "Expected Attention: KV Cache Compression by Estimating
 Attention from Future Queries Distribution" (arXiv:2510.00636), the AMS paper's base scorer
 [24] (AMS Table 10 and App. B.2: ``ExpectedAttentionPress(epsilon=1e-2)`` of kvpress, code
@@ -33,12 +35,12 @@ default (kvpress's press protects only its 4 sinks).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..cache import DEAD_POS
-from ..policy import Scorer, register
+from ..policy import About, Defaults, Needs, Scorer, register
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -102,12 +104,10 @@ class ExpectedAttention(Scorer):
         standard RoPE with that base instead (module docstring).
     """
 
-    summary = "expected attention of future queries (Gaussian, RoPE-averaged) times value norm"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Devoto et al. 2025 (arXiv:2510.00636) via kvpress; epsilon 1e-2, HS buffer 256: AMS Table 10/15"
-    default_sinks = 4
-    default_interval = 512
-    default_compress_prefill = False
+    about = About("expected attention of future queries (Gaussian, RoPE-averaged) times value norm",
+                  "Devoto et al. 2025 (arXiv:2510.00636) via kvpress; epsilon 1e-2, HS buffer 256: AMS Table 10/15")
+    needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
+    defaults = Defaults(sinks=4, interval=512, compress_prefill=False)  # AMS App. B.2, Tables 12/15
     epsilon: float = 1e-2
     n_future: int = 512
     hs_buffer: int = 256
@@ -123,9 +123,7 @@ class ExpectedAttention(Scorer):
                              f"{self.epsilon}, {self.n_future}, {self.hs_buffer}, {self.sinks}")
         if self.rope_theta is not None and self.rope_theta <= 1:
             raise ValueError(f"expected: rope_theta must be the model's RoPE base (> 1), got {self.rope_theta}")
-
-    def query_window(self):
-        return self.hs_buffer
+        self.needs = replace(self.needs, query_window=self.hs_buffer)  # the statistics' queries
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):

@@ -1,5 +1,7 @@
 """H2O: heavy-hitter oracle, accumulated attention.
 
+arXiv:2306.14048; official code: github.com/FMInference/H2O.
+
 Based on Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
 Language Models" (arXiv:2306.14048).  Each cached token's score is the attention it has
 received, summed over every query since it entered the cache (Sec. 3, Eq. of the greedy
@@ -10,12 +12,17 @@ As LazyEviction's baseline (its Tables 1-3, App. C) the recent window is LazyEvi
 instead: ``recent_rule="lazy-window"``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, reduce_group, register
+from ..policy import HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, reduce_group, register
 from .lazy import DEFAULT_WINDOW
 
 RECENT_RULES = ("half", "lazy-window")
+
+
+def half_budget(budget: int) -> int:
+    """H2O's recent window: half the budget (Sec. 5: equal heavy-hitter and recent budgets)."""
+    return budget // 2
 
 
 @register("h2o")
@@ -38,23 +45,21 @@ class H2O(Scorer):
         either rule.
     """
 
-    summary = "accumulated attention received (heavy hitters) + recent window"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = ("Zhang et al. 2023 (arXiv:2306.14048), Sec. 5: heavy and recent budgets equal; recent_rule="
-              "'lazy-window': recent = LazyEviction's W, as its H2O baseline (LazyEviction App. C)")
-    meta_init = {"acc": 0.0}
-    observes = True
+    about = About("accumulated attention received (heavy hitters) + recent window",
+                  "Zhang et al. 2023 (arXiv:2306.14048), Sec. 5: heavy and recent budgets equal; recent_rule="
+                  "'lazy-window': recent = LazyEviction's W, as its H2O baseline (LazyEviction App. C)")
+    # the attention each token received, summed; per-token scores: the engine may evict in place
+    needs = Needs(meta={"acc": 0.0}, observes=True, slot_order_free=True)
+    defaults = Defaults(recent=half_budget,
+                        recent_doc=f"budget // 2 ({DEFAULT_WINDOW} = lazy's W if recent_rule=lazy-window)")
     head_reduction: str = "sum"
     recent_rule: str = "half"
-
-    recent_doc = f"budget // 2 ({DEFAULT_WINDOW} = lazy's W if recent_rule=lazy-window)"
-
-    def default_recent(self, budget):
-        return budget // 2 if self.recent_rule == "half" else DEFAULT_WINDOW
 
     def __post_init__(self):
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "h2o head_reduction")
         check_choice(self.recent_rule, RECENT_RULES, "h2o recent_rule")
+        if self.recent_rule == "lazy-window":
+            self.defaults = replace(self.defaults, recent=DEFAULT_WINDOW)
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap] -> summed over the group and this step's queries

@@ -1,5 +1,7 @@
 """KeyDiff: keep keys that differ most from the average key.
 
+arXiv:2504.15364; official code: none published (kvpress ports it as KeyDiffPress).
+
 Based on Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
 Inference in Resource-Constrained Environments" (arXiv:2504.15364): the anchor is the mean of
 the normalised keys, and a token's score is its negated cosine similarity to the anchor
@@ -12,17 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import kv_field, kv_sum
-from ..policy import Scorer, register
+from ..policy import About, Needs, Scorer, register
 
 
 @register("keydiff")
 @dataclass
 class KeyDiff(Scorer):
-    summary = "negated cosine similarity to the mean key (attention-free)"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Park et al. 2025 (arXiv:2504.15364), Sec. 3"
-    kv_fields = ("key_norm",)
-    kv_sums = ("unit_key_sum",)
+    about = About("negated cosine similarity to the mean key (attention-free)",
+                  "Park et al. 2025 (arXiv:2504.15364), Sec. 3")
+    # per-token scores (the engine may evict in place); key norms per token, the anchor's running sum
+    needs = Needs(kv_fields=("key_norm",), kv_sums=("unit_key_sum",), slot_order_free=True)
 
     def score(self, layer, seen_tokens):
         # one pass over the keys, no normalised copy: cos(k, a) = (k . a_hat) / |k|, with the key

@@ -1,14 +1,16 @@
 """Knorm: keep the keys with the smallest L2 norm.
 
+arXiv:2406.11430; official code: github.com/alessiodevoto/l2compress.
+
 Based on Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
 Compression" (arXiv:2406.11430): low key norm correlates with high attention, so the score is
 the negated norm of the post-RoPE key. Attention-free.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cache import kv_field
-from ..policy import Scorer, register
+from ..policy import About, Needs, Scorer, register
 
 
 @register("knorm")
@@ -23,18 +25,15 @@ class Knorm(Scorer):
         their work".  0 compresses every layer (kvpress's KnormPress).
     """
 
-    summary = "negated L2 norm of each key (attention-free); first two layers uncompressed"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3; layers 0-1 skipped as in the authors' code"
-    kv_fields = ("key_norm",)
+    about = About("negated L2 norm of each key (attention-free); first two layers uncompressed",
+                  "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3; layers 0-1 skipped as in the authors' code")
+    needs = Needs(kv_fields=("key_norm",), slot_order_free=True)  # per-token scores: evicted in place
     skip_layers: int = 2
 
     def __post_init__(self):
         if self.skip_layers < 0:
             raise ValueError(f"knorm: skip_layers must be >= 0, got {self.skip_layers}")
-
-    def compresses_layer(self, layer_idx: int) -> bool:
-        return layer_idx >= self.skip_layers
+        self.needs = replace(self.needs, whole_layers=self.skip_layers)
 
     def score(self, layer, seen_tokens):
         return -kv_field(layer, "key_norm")  # [B, H_kv, cap], computed once per token as it is appended

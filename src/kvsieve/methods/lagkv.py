@@ -1,5 +1,7 @@
 """LagKV: attention-free eviction from lag-relative statistics of the keys and values.
 
+arXiv:2504.04704; official code: github.com/AI-Lab-China-Merchants-Bank/LagKV.
+
 Based on "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"
 (arXiv:2504.04704), Sec. 2.2.  After S sinks the cache is cut into partitions of L tokens.
 Partition p is scored against the *next* one: each channel of its keys (and values) is
@@ -60,7 +62,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..policy import Feed, Scorer, check_choice, register
+from ..policy import About, Defaults, Feed, Needs, Scorer, check_choice, register
 from ._lag import DueTable, find_tail, gather_partitions, lag_score, to_slots
 
 PAPER_LAGS = (128, 512, 1024)  # Sec. 3.1 "Parameter Spaces": L = 128, 512 and 1024
@@ -158,18 +160,17 @@ class LagKV(Scorer):
         left when it was; "" when L and r were not fitted to a budget.
     """
 
-    summary = ("attention-free: per-partition top r*L by K/V statistics relative to the next partition; "
-               "a --budget picks (L, r) from the paper's grid with its peak within the budget "
-               "(refused below the grid unless off_grid=true)")
-    source = ("arXiv:2504.04704 Sec. 2.2, 3.1 (S=16, L in {128,512,1024}, r in {1/2..1/8}), App. A.2; "
-              "--budget B: kvsieve's fit (no rule in the paper): the Sec. 3.1 setting of largest rL whose "
-              "peak (Eq. 10 on the engine's schedule) is in [min_fill*B, B]; off the grid only with "
-              "off_grid=true (in_paper_grid=False and fit_note in the rows)")
-    uses_budget = False
-    default_protect_prompt = False  # Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
-    fits_budget = True  # a budget is mapped to (L, r) by fit_budget
-    fitted_fields = ("lag", "ratio", "in_paper_grid", "fit_note")
-    default_sinks = 16
+    about = About("attention-free: per-partition top r*L by K/V statistics relative to the next partition; "
+                  "a --budget picks (L, r) from the paper's grid with its peak within the budget "
+                  "(refused below the grid unless off_grid=true)",
+                  "arXiv:2504.04704 Sec. 2.2, 3.1 (S=16, L in {128,512,1024}, r in {1/2..1/8}), App. A.2; "
+                  "--budget B: kvsieve's fit (no rule in the paper): the Sec. 3.1 setting of largest rL whose "
+                  "peak (Eq. 10 on the engine's schedule) is in [min_fill*B, B]; off the grid only with "
+                  "off_grid=true (in_paper_grid=False and fit_note in the rows)")
+    # no budget: select() keeps partitions; a budget is mapped to (L, r) by fit_budget
+    needs = Needs(uses_budget=False, fitted_fields=("lag", "ratio", "in_paper_grid", "fit_note"))
+    # protect_prompt False: Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
+    defaults = Defaults(sinks=16, protect_prompt=False)
     sinks: int = 16
     lag: int = 128
     ratio: float = 0.25
@@ -195,6 +196,7 @@ class LagKV(Scorer):
         check_choice(self.reference, ("next", "self"), f"{self.name} reference")
         check_choice(self.statistic, ("lag", "key_norm"), f"{self.name} statistic")
         self.in_paper_grid = self.lag in PAPER_LAGS and any(math.isclose(self.ratio, r) for r in PAPER_RATIOS)
+        self.needs = replace(self.needs, whole_layers=self.skip_layers)
 
     @property
     def kept(self) -> int:
@@ -282,12 +284,9 @@ class LagKV(Scorer):
         """Prefill chunk that reproduces Sec. 3.4's chunked prefill with ``prefill_block``."""
         return math.gcd(self.sinks, self.lag)
 
-    def compresses_layer(self, layer_idx):
-        return layer_idx >= self.skip_layers
-
     def should_compress(self, layer, budget):
         """Host-side: can a partition have completed since this layer's last compression?"""
-        if self.kept >= self.lag or not self.compresses_layer(layer.layer_idx):
+        if self.kept >= self.lag or layer.layer_idx < self.skip_layers:
             return False
         return self._due.due(layer, first=self.sinks + 2 * self.lag)
 
@@ -329,8 +328,8 @@ class LagKV(Scorer):
 class LocalKV(LagKV):
     """LagKV with each partition normalised by its own min/max (App. A.2, Eqs. 12-13)."""
 
-    summary = "LagKV variant: min/max of the partition itself (attention-free)"
-    source = "arXiv:2504.04704 App. A.2, Eqs. 12-13 (A.2 runs use S=16, L=1024); --budget: lagkv's fit"
+    about = About("LagKV variant: min/max of the partition itself (attention-free)",
+                  "arXiv:2504.04704 App. A.2, Eqs. 12-13 (A.2 runs use S=16, L=1024); --budget: lagkv's fit")
     reference: str = "self"
 
 
@@ -339,8 +338,8 @@ class LocalKV(LagKV):
 class LagKVL2(LagKV):
     """LagKV's partitions scored by -||K|| (App. A.2, Eq. 14); the first two layers are kept whole."""
 
-    summary = "LagKV variant: per-partition top keys by smallest L2 norm; layers 0-1 uncompressed"
-    source = ("arXiv:2504.04704 App. A.2, Eq. 14 (after Devoto et al. 2024: first two layers skipped); "
-              "--budget: lagkv's fit")
+    about = About("LagKV variant: per-partition top keys by smallest L2 norm; layers 0-1 uncompressed",
+                  "arXiv:2504.04704 App. A.2, Eq. 14 (after Devoto et al. 2024: first two layers skipped); "
+                  "--budget: lagkv's fit")
     statistic: str = "key_norm"
     skip_layers: int = 2

@@ -1,5 +1,7 @@
 """LazyEviction: lagged eviction that keeps tokens whose attention recurs.
 
+arXiv:2506.15969; official code: github.com/Halo-949/LazyEviction.
+
 Based on "LazyEviction: Lagged KV Eviction with Attention Pattern Observation for Efficient
 Long Reasoning" (ACL submission, Sec. 4, Algorithm 1, App. A-D, H).  Every decoding step each
 cached token's TS and MRI are updated from the current query's attention (Alg. 1 lines 1-6,
@@ -10,7 +12,7 @@ plus the B - W with the highest importance I_t (Eqs. 2, 5); the cache peaks at B
 On the engine: ``interval = W, recent = W, budget = B``, the defaults derived from ``window``
 (Alg. 1 line 8's ``B >= |K|`` is a typo for ``|K| > B``, the engine's ``should_compress``).
 The interval is W at every budget: below B = 2W, where kvsieve's cap of a default interval at
-``budget // 2`` would part it from W, the policy is refused (``LazyEviction.interval_for``).
+``budget // 2`` would part it from W, the policy is refused (``LazyEviction.window_interval``).
 The prompt is not compressed at prefill (``compress_prefill`` defaults to False); its tokens
 are scored like generated ones (App. H.2).  Their queries are not tracking steps
 (``observe_prompt=False``): Alg. 1's step t is a decoding step.  So the prompt enters the cache
@@ -29,11 +31,11 @@ for ``tova`` and ``raas``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
+from ..policy import HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, register
 from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, prefill_timestamps, resolve_alpha
 
 # W, the observation window: the paper's value for GSM8K (Table 3; best of Table 9 on DS-Llama-8B).
@@ -121,7 +123,7 @@ class LazyEviction(Scorer):
         W, the eviction interval and the protected recent window (Sec. 4).  25 is the paper's
         W for GSM8K (Table 3; best of Table 9, DS-Llama-8B).  App. C sets W to the 80th
         percentile of MRI: ``"auto"`` reads it from ``analysis``.  The policy's interval and
-        recent window default to W; its budget must be at least 2W (``interval_for``).  The
+        recent window default to W; its budget must be at least 2W (``window_interval``).  The
         paper's H2O baseline keeps the same W recent tokens (App. C): ``make_policy("h2o",
         budget=B, recent_rule="lazy-window")`` for the default W, ``recent=W`` for another.
     alpha : float | None, default None
@@ -171,20 +173,19 @@ class LazyEviction(Scorer):
         File written by ``kvsieve analyze mri``, read when ``window="auto"``.
     """
 
-    summary = "lagged eviction every W steps: W recent + top B-W by MRI-centric importance"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    interval_doc = "window (W); needs budget >= 2W"
-    source = ("LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / App. C "
-              "(llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 falling "
-              "with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
-              "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
-              "interval = W, budget >= 2W")
-    meta_init = {"ts": TS_UNSET, "mri": 0.0}  # new tokens: born now (TS = own position), MRI 0 (Sec. 4)
-    observes = True
-    default_compress_prefill = False  # App. H.2: the prompt is scored, never cut at prefill
-    default_protect_prompt = False  # App. H.2-H.3: "we treat Prefill and Decode tokens equally": prompt tokens compete
-    default_interval = DEFAULT_WINDOW  # = window; each instance sets its own in __post_init__
-    recent_doc = "window"
+    about = About("lagged eviction every W steps: W recent + top B-W by MRI-centric importance",
+                  "LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / "
+                  "App. C (llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 "
+                  "falling with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
+                  "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
+                  "interval = W, budget >= 2W")
+    # new tokens: born now (TS = own position), MRI 0 (Sec. 4); per-token scores: evicted in place
+    needs = Needs(meta={"ts": TS_UNSET, "mri": 0.0}, observes=True, slot_order_free=True)
+    # compress_prefill False: App. H.2, the prompt is scored, never cut at prefill; protect_prompt False:
+    # App. H.2-H.3 "we treat Prefill and Decode tokens equally": prompt tokens compete.  Interval and recent
+    # window: W (``window_interval``, ``window_recent``), set per instance in __post_init__
+    defaults = Defaults(interval=DEFAULT_WINDOW, compress_prefill=False, protect_prompt=False,
+                        recent_doc="window", interval_doc="window (W); needs budget >= 2W")
 
     window: int | str = DEFAULT_WINDOW
     alpha: float | None = None
@@ -206,9 +207,10 @@ class LazyEviction(Scorer):
             raise ValueError(f"lazy h2 must be one of {list(H2_FORMS)}{_renamed_hint(self.h2)}")
         check_choice(self.h2, H2_FORMS, "lazy h2")
         check_choice(self.prompt_birth, PROMPT_BIRTHS, "lazy prompt_birth")
-        self.default_interval = self.window  # lagged eviction every W decode steps
+        # lagged eviction every W decode steps, the W newest tokens kept
+        self.defaults = replace(self.defaults, interval=self.window_interval, recent=self.window_recent)
 
-    def interval_for(self, budget):
+    def window_interval(self, budget: int | None) -> int:
         """The interval is W, Alg. 1 line 8: "if t == kW ... Update KV pairs according to Eq. 5"
         (Sec. 4: "KV eviction are triggered at periodic intervals t = kW"); one W is both the
         interval and the recent window of Eq. 5.
@@ -234,9 +236,10 @@ class LazyEviction(Scorer):
                              f"raise --budget to {2 * self.window}{lower}")
         return self.window
 
-    def default_recent(self, budget):
-        # Policy asks this with the budget when no recent window is set.  With the default
-        # interval, interval_for has already required B >= 2W; this guards an explicit interval.
+    def window_recent(self, budget: int) -> int:
+        """The recent window: W.  Policy asks this with the budget when no recent window is set.
+        With the default interval, ``window_interval`` has already required B >= 2W; this guards an
+        explicit interval."""
         if self.window >= budget:
             raise ValueError(f"lazy window W={self.window} must be smaller than the budget B={budget}: "
                              f"the cache keeps the W newest tokens plus the top B - W (Eq. 5) and peaks at "

@@ -1,5 +1,7 @@
 """RaaS: keep the prompt, evict the generated tokens least recently attended.
 
+arXiv:2502.11147; official code: none published (run as LazyEviction's baseline).
+
 Based on Hu et al., "Efficient Long-Decoding Inference with Reasoning-Aware Attention
 Sparsity" (arXiv:2502.11147), as LazyEviction describes and runs it as a baseline (App. C,
 App. H.2, Tables 1-3): every prefill token is retained (its "phoenix" tokens); each decode
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, register
+from ..policy import HEAD_REDUCTIONS, About, Needs, Scorer, check_choice, register
 from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
 
 # Decode tokens score TS - 2**23, prompt tokens TS: every prompt token ranks first, and
@@ -44,12 +46,11 @@ class RaaS(Scorer):
         Reduction of a GQA group's attention onto its kv head, as in ``lazy``.
     """
 
-    summary = "all prompt tokens + decode tokens by latest attention >= alpha (timestamp LRU)"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = ("Hu et al. 2025 (arXiv:2502.11147) as in LazyEviction App. C, H.2: every step; "
-              "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
-    meta_init = {"ts": TS_UNSET, "prompt": 0.0}  # new tokens: born now, not prompt
-    observes = True
+    about = About("all prompt tokens + decode tokens by latest attention >= alpha (timestamp LRU)",
+                  "Hu et al. 2025 (arXiv:2502.11147) as in LazyEviction App. C, H.2: every step; "
+                  "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
+    # new tokens: born now, not prompt; per-token scores: the engine may evict in place
+    needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, slot_order_free=True)
 
     alpha: float | None = None
     family: str = "qwen2"

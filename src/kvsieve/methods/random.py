@@ -1,10 +1,13 @@
-"""Random eviction: the control every method must beat."""
+"""Random eviction: the control every method must beat.
+
+No paper and no official code: kvsieve's control baseline.
+"""
 
 from dataclasses import dataclass, field
 
 import torch
 
-from ..policy import Scorer, register
+from ..policy import About, Needs, Scorer, register
 
 
 @register("random")
@@ -18,9 +21,8 @@ class RandomScorer(Scorer):
         Seed of the scorer's own generator (kvsieve's choice), so runs are repeatable.
     """
 
-    summary = "uniform random scores (control)"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "control baseline; no paper"
+    about = About("uniform random scores (control)", "control baseline; no paper")
+    needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
     seed: int = 0
     _gen: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -1,5 +1,7 @@
 """R-KV: attention importance minus key redundancy, for long reasoning outputs.
 
+arXiv:2505.24133; official code: github.com/Zefan-Cai/R-KV.
+
 Based on Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models"
 (arXiv:2505.24133), Sec. 3.  Every ``interval`` (= the paper's buffer of 128) decode steps:
 importance I_i is the attention of the last ``window`` queries on token i, averaged over the
@@ -8,12 +10,13 @@ keys, softmax-normalised over tokens; the score is  lambda * I_i - (1 - lambda) 
 The window's own tokens are kept (the recent protection).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..attention import window_attention
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, pool_along_sequence, reduce_group, register
+from ..policy import (HEAD_REDUCTIONS, About, Defaults, Scorer, check_choice, pool_along_sequence, reduce_group,
+                      register)
 from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, unit_keys
 
 
@@ -38,12 +41,11 @@ class RKV(Scorer):
         None: no exemption, kvsieve's earlier reading (O(cap) instead of O(cap^2) per head).
     """
 
-    summary = "attention importance minus key-similarity redundancy"
-    source = "Cai et al. 2025 (arXiv:2505.24133) Sec. 3-4: alpha 8, lambda 0.1, buffer 128"
-    default_interval = 128
-    # prompt kept whole, only generated tokens compressed: AMS App. B.2 Table 11 ("protecting the prompt
-    # prefix and most recent tokens") and issue 28's reading of the official code (arXiv paper silent)
-    default_protect_prompt = True
+    about = About("attention importance minus key-similarity redundancy",
+                  "Cai et al. 2025 (arXiv:2505.24133) Sec. 3-4: alpha 8, lambda 0.1, buffer 128")
+    # protect_prompt: prompt kept whole, only generated tokens compressed: AMS App. B.2 Table 11 ("protecting
+    # the prompt prefix and most recent tokens") and issue 28's reading of the official code (paper silent)
+    defaults = Defaults(interval=128, protect_prompt=True, recent_doc="window")
     window: int = 8
     kernel: int = 7
     mix_lambda: float = 0.1
@@ -57,14 +59,8 @@ class RKV(Scorer):
             raise ValueError(f"rkv window and kernel must be >= 1, got {self.window}, {self.kernel}")
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "rkv head_reduction")
         check_threshold(self.partner_threshold, "rkv partner_threshold")
-
-    recent_doc = "window"
-
-    def default_recent(self, budget):
-        return self.window
-
-    def query_window(self):
-        return self.window
+        self.defaults = replace(self.defaults, recent=self.window)  # the window's own tokens are kept
+        self.needs = replace(self.needs, query_window=self.window)
 
     def redundancy(self, layer) -> torch.Tensor:
         """[B, H_kv, cap]: softmax over live tokens of each key's mean cosine similarity to the

@@ -1,5 +1,7 @@
 """SkipKV: evict redundant *sentences* first, then tokens by importance minus redundancy.
 
+arXiv:2512.07993; official code: github.com/TTTTTTris/SkipKV.
+
 Based on Tian et al., "SkipKV: Selective Skipping of KV Generation and Storage for Efficient
 Inference with Large Reasoning Models" (arXiv:2512.07993), Sec. 4.1, Alg. 1, App. A.1-A.2;
 official code github.com/TTTTTTris/SkipKV.  Every 128 decode steps (compress_prefill off):
@@ -34,14 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import visible, window_attention
 from ..cache import DEAD_POS
-from ..policy import Scorer, check_choice, pool_along_sequence, register
+from ..policy import About, Defaults, HostHooks, Needs, Scorer, check_choice, pool_along_sequence, register
 from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, softmax_similarity_mean, unit_keys
 from ..steering import DELIMITERS, vocab_ids
 
@@ -150,17 +152,15 @@ class SkipKV(Scorer):
         The delimiter set D (App. A.1), matched against each token's full decoded text.
     """
 
-    summary = "drops sentences a later sentence repeats, then importance minus key redundancy"
-    source = ("Tian et al. 2025 (arXiv:2512.07993) Sec. 4.1, App. A.1-A.2: sigma 0.1, tau 0.95-0.99, every "
-              "128 steps; window 8 and kernel 7 from the official code")
-    meta_init = {"sent": -1.0}
-    default_interval = 128
-    default_compress_prefill = False
-    per_token_hook = True  # attach() yields on_tokens: the sentence table reads every new token
-    # prompt competes for B: Sec. 4.3 Eq. 12 (padding of the prompt lowers the valid budget, B' = B - pad) and
-    # the official code (skipkv/compression/skipkv.py update_kv cuts the whole cache, prompt included, to B)
-    default_protect_prompt = False
-    recent_doc = "window"
+    about = About("drops sentences a later sentence repeats, then importance minus key redundancy",
+                  "Tian et al. 2025 (arXiv:2512.07993) Sec. 4.1, App. A.1-A.2: sigma 0.1, tau 0.95-0.99, every "
+                  "128 steps; window 8 and kernel 7 from the official code")
+    # sent: each token's sentence id; attach() yields on_tokens: the sentence table reads every new token
+    needs = Needs(meta={"sent": -1.0}, per_token_hook=True)
+    # protect_prompt False, the prompt competes for B: Sec. 4.3 Eq. 12 (padding of the prompt lowers the valid
+    # budget, B' = B - pad) and the official code (skipkv/compression/skipkv.py update_kv cuts the whole
+    # cache, prompt included, to B)
+    defaults = Defaults(interval=128, compress_prefill=False, protect_prompt=False, recent_doc="window")
     sigma: float = 0.1
     tau: float = 0.95
     window: int = 8
@@ -180,12 +180,8 @@ class SkipKV(Scorer):
         check_choice(self.redundancy, ("eq5", "rkv"), "skipkv redundancy")
         check_threshold(self.partner_threshold, "skipkv partner_threshold")
         self.sentences: SentenceTable | None = None
-
-    def default_recent(self, budget):
-        return self.window
-
-    def query_window(self):
-        return self.window
+        self.defaults = replace(self.defaults, recent=self.window)  # the window's own tokens are kept
+        self.needs = replace(self.needs, query_window=self.window)
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):
@@ -201,7 +197,7 @@ class SkipKV(Scorer):
 
         handle = model.get_decoder().norm.register_forward_hook(read_hidden)
         try:
-            yield on_tokens
+            yield HostHooks(on_tokens=on_tokens)
         finally:
             handle.remove()
 

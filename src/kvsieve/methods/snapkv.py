@@ -1,5 +1,7 @@
 """SnapKV: attention of an observation window of recent queries, pooled.
 
+arXiv:2404.14469; official code: github.com/FasterDecoding/SnapKV.
+
 Based on Li et al., "SnapKV: LLM Knows What You Are Looking For Before Generation"
 (arXiv:2404.14469), Sec. 4.2: the last ``window`` queries vote (attention summed over the
 window), votes are smoothed by 1D pooling so neighbours of important tokens are kept, and the
@@ -7,10 +9,11 @@ window itself is kept.  Here the same rule also runs during decoding, with the w
 the most recent generated queries.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..attention import window_attention
-from ..policy import HEAD_REDUCTIONS, Scorer, check_choice, pool_along_sequence, reduce_group, register
+from ..policy import (HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, pool_along_sequence,
+                      reduce_group, register)
 
 
 @register("snapkv")
@@ -23,7 +26,7 @@ class SnapKV(Scorer):
     window : int, default 64
         Observation window (official SnapKV code default ``window_size=64``; the paper's
         LongBench runs also use 32). The window is protected as the recent tokens, and while
-        decoding the cache is compressed every ``window`` steps (see ``default_interval``).
+        decoding the cache is compressed every ``window`` steps (``Defaults.interval``).
     kernel : int, default 5
         Pooling kernel (official code ``kernel_size=5``).
     pooling : str, default "avg"
@@ -32,8 +35,9 @@ class SnapKV(Scorer):
         GQA reduction onto kv heads (not in the paper, which uses MHA models).
     """
 
-    summary = "observation-window attention votes, pooled"
-    source = "Li et al. 2024 (arXiv:2404.14469) Sec. 4.2; defaults from the official code"
+    about = About("observation-window attention votes, pooled",
+                  "Li et al. 2024 (arXiv:2404.14469) Sec. 4.2; defaults from the official code")
+    defaults = Defaults(recent_doc="window", interval_doc="window")
     window: int = 64
     kernel: int = 5
     pooling: str = "avg"
@@ -48,17 +52,8 @@ class SnapKV(Scorer):
         # decoding kvsieve compresses every ``window`` steps, so each compression is voted on by a
         # fresh window.  interval=1 compresses every step at the cost of ``window`` attention rows
         # per step (about 6x a decode step at 2048 cached tokens on the 0.5B model).
-        self.default_interval = self.window
-
-    recent_doc = "window"
-    interval_doc = "window"
-
-    def default_recent(self, budget):
-        return self.window
-
-
-    def query_window(self):
-        return self.window
+        self.defaults = replace(self.defaults, recent=self.window, interval=self.window)
+        self.needs = replace(self.needs, query_window=self.window)  # the window's queries vote
 
     def score(self, layer, seen_tokens):
         votes = reduce_group(window_attention(layer).sum(dim=3), self.head_reduction)  # [B, H_kv, cap]

@@ -1,5 +1,7 @@
 """StreamingLLM: attention sinks plus a sliding window of recent tokens.
 
+arXiv:2309.17453; official code: github.com/mit-han-lab/streaming-llm.
+
 Based on Xiao et al., "Efficient Streaming Language Models with Attention Sinks"
 (arXiv:2309.17453).  The first ``sinks`` tokens are kept forever; everything else is a
 window of the most recent tokens.  Expressed as a scorer, a token's score is its position,
@@ -8,7 +10,7 @@ so after the sinks the newest ``budget - sinks`` tokens win.
 
 from dataclasses import dataclass
 
-from ..policy import Scorer, register
+from ..policy import About, Defaults, Needs, Scorer, register
 
 
 @register("streaming")
@@ -17,10 +19,10 @@ class StreamingLLM(Scorer):
     """Sinks + recent window. No hyperparameters of its own; ``sinks`` defaults to 4
     (StreamingLLM Sec. 3.2: four initial tokens suffice as attention sinks)."""
 
-    summary = "attention sinks + sliding window of recent tokens"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Xiao et al. 2023 (arXiv:2309.17453), Sec. 3.2: 4 sink tokens"
-    default_sinks = 4
+    about = About("attention sinks + sliding window of recent tokens",
+                  "Xiao et al. 2023 (arXiv:2309.17453), Sec. 3.2: 4 sink tokens")
+    needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
+    defaults = Defaults(sinks=4)
 
     def score(self, layer, seen_tokens):
         return layer.meta["pos"].float()  # newer is better

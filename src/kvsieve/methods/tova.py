@@ -1,5 +1,7 @@
 """TOVA: token omission via attention.
 
+arXiv:2401.06104; official code: github.com/schwartz-lab-NLP/TOVA.
+
 Based on Oren et al., "Transformers are Multi-State RNNs" (arXiv:2401.06104).  At each step
 the token with the lowest attention from the *current* query is dropped (Sec. 3.3); the
 paper averages the attention over all heads of a layer, so all heads keep the same tokens.
@@ -9,10 +11,10 @@ per-token state ``last_attn``), not recomputed at compression time: one pass ove
 per step instead of two.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..attention import window_attention
-from ..policy import Scorer, check_choice, reduce_group, register
+from ..policy import About, Needs, Scorer, check_choice, reduce_group, register
 
 
 @register("tova")
@@ -27,26 +29,22 @@ class TOVA(Scorer):
         "group": mean over each kv head's query group, so kv heads keep different tokens.
     """
 
-    summary = "attention of the current query, averaged over heads"
-    slot_order_free = True  # per-token scores: the engine may evict in place
-    source = "Oren et al. 2024 (arXiv:2401.06104), Sec. 3.3"
-    meta_init = {"last_attn": 0.0}  # the newest query's attention, group mean per kv head
-    observes = True
-    observes_last_only = True  # last_attn is the newest query's row: interval > 1 observes once per interval
+    about = About("attention of the current query, averaged over heads", "Oren et al. 2024 (arXiv:2401.06104), Sec. 3.3")
+    # last_attn: the newest query's attention, group mean per kv head; being the newest query's row
+    # only, interval > 1 observes once per interval.  Per-token scores: the engine may evict in place.
+    # One recent query: only score_per_query_head (CAOTE) reads it.
+    needs = Needs(meta={"last_attn": 0.0}, observes=True, observes_last_only=True, query_window=1,
+                  slot_order_free=True)
     heads: str = "layer"
 
     def __post_init__(self):
         check_choice(self.heads, ("layer", "group"), "tova heads")
-
-    def query_window(self):
-        return 1  # only score_per_query_head (CAOTE) reads it
+        # the layer mean is one decision per slot for every head of the layer
+        self.needs = replace(self.needs, aligned_heads=self.heads == "layer")
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap]; the call's last query is the newest token of every row
         layer.meta["last_attn"].copy_(reduce_group(probs[:, :, :, -1], "mean"))
-
-    def needs_aligned_heads(self):
-        return self.heads == "layer"
 
     def score_per_query_head(self, layer, seen_tokens):
         """[B, H_kv, G, cap]: the same scores before the reduction onto kv heads (for CAOTE's
