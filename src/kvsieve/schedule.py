@@ -85,13 +85,27 @@ class Schedule:
         if self.compresses and self.policy.protect_prompt:
             set_prompt_bounds(self.cache, self.policy, self.budgets, self.horizon, prompt_len)
 
-    def finish_prompt_layer(self, index: int, grow_chunk: int) -> bool:
-        """Layer ``index`` after the prompt: drop its padding slots (leaving room for the appends
-        until the next compression, or ``grow_chunk`` for ``full``), then compress the prompt if
-        the policy does.  True if it compressed."""
-        policy = self.policy
-        headroom = policy.interval if self.compresses else grow_chunk
+    @property
+    def compresses_prompt(self) -> bool:
+        """Whether the prompt is compressed once it is in (``compress_prefill``)."""
+        return self.compresses and self.policy.compress_prefill
+
+    def drop_padding(self, index: int, grow_chunk: int) -> None:
+        """Layer ``index`` after the prompt: drop its padding slots, leaving room for the appends
+        until the next compression (``grow_chunk`` for ``full``)."""
+        headroom = self.policy.interval if self.compresses else grow_chunk
         # a policy that leaves the prompt for its first decode-time compression (LazyEviction, AMS,
         # SkipKV) needs those appends beyond its capacity hint when the prompt exceeds the budget
-        drop_dead_layer(self.cache.layers[index], headroom, past_hint=self.compresses and not policy.compress_prefill)
-        return self.compresses and policy.compress_prefill and self.compress_layer(index)
+        drop_dead_layer(self.cache.layers[index], headroom, past_hint=self.compresses and not self.compresses_prompt)
+
+    def finish_prompt(self, grow_chunk: int) -> bool:
+        """Every layer after the prompt (``DecodeSession``): padding dropped, then the prompt
+        compressed if the policy does.  True if any layer compressed."""
+        for index in range(len(self.cache.layers)):
+            self.drop_padding(index, grow_chunk)
+        return self.compresses_prompt and self.compress()
+
+    def finish_prompt_layer(self, index: int, grow_chunk: int) -> bool:
+        """``finish_prompt`` for layer ``index`` alone (``ScheduledCache``, one layer at a time)."""
+        self.drop_padding(index, grow_chunk)
+        return self.compresses_prompt and self.compress_layer(index)

@@ -254,9 +254,9 @@ class DecodeSession:
                 self._record_peak()  # each block's tokens are held until this compression
                 schedule.compress()
         schedule.end_prompt((positions != DEAD_POS).sum(dim=1))
-        if scorer is not None and policy.compress_prefill:
+        if schedule.compresses_prompt:
             self._record_peak()
-        if any([schedule.finish_prompt_layer(index, self.grow_chunk) for index in range(self.num_layers)]):
+        if schedule.finish_prompt(self.grow_chunk):
             self._count_event()
         if self.static:  # room for every append until the next compression (or the end, for full)
             for layer in cache.layers:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import make_policy
 from kvsieve.methods.lazy import LazyEviction, h1_score, h2_score, importance
-from kvsieve import policy as policy_module
 from kvsieve.policy import compress_layer
+from kvsieve.schedule import Schedule
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
 MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "
@@ -412,23 +411,19 @@ def test_budget_at_least_length_reproduces_full_greedy(smollm):
 
 def watch_compress(monkeypatch):
     """Record (lengths before, lengths after, seen_tokens, did, slots allocated before) of every
-    call of ``kvsieve.policy.compress`` by the engine (patched in every kvsieve module that
-    imported it, wherever the engine keeps its loop)."""
-    calls, original = [], policy_module.compress
+    cache-wide compression the engine runs (``Schedule.compress``)."""
+    calls, original = [], Schedule.compress
 
-    def watched(cache, policy, budgets):
+    def watched(schedule):
+        cache = schedule.cache
         before = [layer.lengths.clone() for layer in cache.layers]
         capacity = [layer.capacity for layer in cache.layers]
-        did = original(cache, policy, budgets)
+        did = original(schedule)
         calls.append((before, [layer.lengths.clone() for layer in cache.layers], cache.seen_tokens.clone(), did,
                       capacity))
         return did
 
-    users = [m for name, m in list(sys.modules.items()) if name.startswith("kvsieve") and
-             getattr(m, "compress", None) is original]
-    assert len(users) >= 2  # kvsieve.policy and the engine module that calls it
-    for module in users:
-        monkeypatch.setattr(module, "compress", watched)
+    monkeypatch.setattr(Schedule, "compress", watched)
     return calls
 
 
