@@ -119,6 +119,7 @@ def test_cli_writes_json_and_png_that_lazy_window_auto_reads(smollm, tmp_path, m
     assert (policy.interval, policy.recent) == (W, W)
 
 
+@pytest.mark.slow  # ~10 s: kept out of the default suite's 10 minutes
 def test_batched_collection_reads_every_row_once_including_rows_that_finish_early(smollm):
     """Rows leave a batch at their EOS; their MRIs are read as they leave, so a batch of three
     yields exactly the (layer, kv head, token) entries of three one-prompt runs."""

@@ -43,7 +43,7 @@ def test_budget_at_least_length_reproduces_full(smollm, method):
     assert all(s.compression_events == 0 for s in ours.stats)
 
 
-@pytest.mark.parametrize("method", ["tova", "ams:tova"])
+@pytest.mark.parametrize("method", ["tova", pytest.param("ams:tova", marks=pytest.mark.slow)])
 def test_observing_only_before_a_compression_changes_nothing_for_a_last_query_scorer(smollm, monkeypatch, method):
     """TOVA's state is the newest query's attention, read only by the compression after every
     interval-th step, so skipping the observation in between gives the same tokens and the same
@@ -155,7 +155,8 @@ def test_streaming_cache_equals_dense_forward_over_kept_tokens(smollm, monkeypat
 
 
 
-@pytest.mark.parametrize("method", ["full", "tova", "h2o", "lazy", "snapkv"])
+@pytest.mark.parametrize("method", ["full", "tova", "lazy", *(pytest.param(m, marks=pytest.mark.slow)
+                                                              for m in ("h2o", "snapkv"))])
 def test_static_shapes_fix_every_address_while_decoding_and_change_no_token(smollm, monkeypatch, method):
     """GenerateConfig(static_shapes=True): each decode step sees the same storage (addresses and
     shapes of K/V, lengths, metadata and query window) -- what a compiled step needs -- and
