@@ -101,7 +101,7 @@ def test_lengths_within_budget_after_every_compression(smollm, monkeypatch, meth
         if session.steps % policy.interval:  # between compressions a layer may hold budget + interval
             return did
         cache = session.cache
-        for layer, b in zip(cache.layers, session.budgets):
+        for layer, b in zip(cache.layers, session.schedule.budgets):
             if b is None:  # a layer the method never compresses (knorm's first two) keeps every token
                 assert (layer.lengths == cache.seen_tokens[:, None]).all()
             elif allocator == "adakv":  # heads share H_kv * budget slots per row

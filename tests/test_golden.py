@@ -66,7 +66,11 @@ def run_case(case: dict, model, tok) -> list[list[int]]:
 
 
 def cases() -> list[dict]:
-    """Every registered method (wrappers over tova) at both budgets, in each mode it supports."""
+    """Every registered method (wrappers over tova) at both budgets, in each mode it supports.
+
+    Only ``record()`` calls this, and only at the pinned commit the record describes (a07924c), so
+    it reads that commit's scorer attributes (``uses_budget``, ``slot_order_free``,
+    ``per_token_hook``; later ``Scorer.needs``): copy this file into a worktree at the pin to record."""
     from kvsieve.methods import SCORERS, WRAPPERS, make_policy, method_names
 
     out = []

@@ -182,7 +182,7 @@ def test_protected_rows_stay_within_prompt_plus_budget_and_match_alone(smollm, m
     def checked(session):
         did = original(session)
         cache = session.cache
-        for layer, b in zip(cache.layers, session.budgets):
+        for layer, b in zip(cache.layers, session.schedule.budgets):
             pos, live = layer.meta["pos"], layer.live()
             prompt = pos < cache.prompt_len[:, None, None]
             assert ((prompt & live).sum(-1) == cache.prompt_len[:, None]).all()  # no prompt token lost

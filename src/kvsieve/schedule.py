@@ -29,9 +29,8 @@ class Schedule:
     """When and how ``policy`` compresses ``cache`` (rows of at most ``horizon`` tokens).
 
     ``budgets`` are the per-layer budgets (None: a layer the policy keeps whole), by default the
-    policy's (``Policy.layer_budgets``).  Only a
-    ``Schedule`` compresses, drops padding or records the prompt; the cache's layers change
-    their own state in the calls it makes.
+    policy's (``Policy.layer_budgets``).  Only a ``Schedule`` compresses, drops padding or records
+    the prompt; the cache's layers change their own state in the calls it makes.
     """
 
     def __init__(self, policy: Policy, cache: SieveCache, horizon: int, budgets: list[int | None] | None = None):

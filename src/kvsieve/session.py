@@ -154,7 +154,6 @@ class DecodeSession:
         self.grow_chunk = grow_chunk
         self.cache = SieveCache.for_policy(policy, self.num_layers, horizon, static=self.static, grow_chunk=grow_chunk)
         self.schedule = Schedule(policy, self.cache, horizon)  # when to compress: the only caller of compression
-        self.budgets = self.schedule.budgets
         self.observer = policy.observer()
         self.cache_kw = cache_kwarg_name(model)
         self.device = model.device
@@ -292,8 +291,9 @@ class DecodeSession:
         observer = self.observer if policy.observes_step(self.steps) else None
         evict = ()
         if self.evicts_in_step:  # layers at budget and at capacity budget + 1 drop one token each
-            bounds = [policy.layer_bound(cache, b) for b in self.budgets]  # + the longest prompt if protected
-            evict = tuple((i, b) for i, (layer, b, bound) in enumerate(zip(cache.layers, self.budgets, bounds))
+            budgets = self.schedule.budgets
+            bounds = [policy.layer_bound(cache, b) for b in budgets]  # + the longest prompt if protected
+            evict = tuple((i, b) for i, (layer, b, bound) in enumerate(zip(cache.layers, budgets, bounds))
                           if b is not None and layer.max_len == bound and layer.capacity == bound + 1)
             if evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
                 self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)

@@ -134,11 +134,17 @@ def over_bound(row: dict[str, Any]) -> bool | None:
     return row["peak_kv_tokens"] / heads > OVER_BOUND * bound
 
 
-def paired(reference: dict[str, dict[str, Any]] | None, graded: list[dict[str, Any]]):
-    """``(lost, gained, p)`` of ``graded`` rows against the ``reference`` cell's rows (by id) on the
-    samples both graded, or ``(None, None, None)`` without a reference or a shared sample."""
-    pairs = [(bool(reference[r["id"]]["correct"]), bool(r["correct"])) for r in graded
-             if reference is not None and r["id"] in reference and reference[r["id"]].get("correct") is not None]
+def shared_pairs(reference: dict[str, dict[str, Any]] | None, graded: list[dict[str, Any]]) -> list[tuple[bool, bool]]:
+    """(reference correct, this row correct) for each of ``graded``'s samples that the
+    ``reference`` cell's rows (by id) also graded; [] without a reference."""
+    if reference is None:
+        return []
+    return [(bool(reference[r["id"]]["correct"]), bool(r["correct"])) for r in graded
+            if r["id"] in reference and reference[r["id"]].get("correct") is not None]
+
+
+def paired(pairs: list[tuple[bool, bool]]):
+    """``(lost, gained, p)`` over ``shared_pairs``, or ``(None, None, None)`` when there are none."""
     if not pairs:
         return None, None, None
     lost, gained = sum(f and not c for f, c in pairs), sum(c and not f for f, c in pairs)
@@ -162,7 +168,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
     cells: dict[tuple[str, int | None], list[dict]] = {}
     for row in rows:
         cells.setdefault((row["method"], row["budget"]), []).append(row)
-    full = {r["id"]: r for r in cells.get(("full", None), [])}
+    by_id = {key: {r["id"]: r for r in group} for key, group in cells.items()}
     out = []
     for key in sorted(cells, key=cell_order):
         group = cells[key]
@@ -170,14 +176,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         correct = sum(bool(r["correct"]) for r in graded)
         accuracy = correct / len(graded) if graded else None
         low, high = wilson_interval(correct, len(graded)) if graded else (None, None)
-        pairs = [(bool(full[r["id"]]["correct"]), bool(r["correct"])) for r in graded
-                 if r["id"] in full and full[r["id"]].get("correct") is not None]
+        pairs = shared_pairs(by_id.get(("full", None)), graded)
         full_acc = sum(f for f, _ in pairs) / len(pairs) if pairs else None
         retained = accuracy / full_acc if accuracy is not None and full_acc else None
-        lost, gained, paired_p = paired(full if key != ("full", None) else None, graded)
-        random_cell = cells.get(("random", key[1])) if key[1] is not None and key[0] != "random" else None
-        random_lost, random_gained, random_p = paired(
-            None if random_cell is None else {r["id"]: r for r in random_cell}, graded)
+        lost, gained, paired_p = paired(pairs if key != ("full", None) else [])
+        random_key = ("random", key[1]) if key[1] is not None and key[0] != "random" else None
+        random_lost, random_gained, random_p = paired(shared_pairs(by_id.get(random_key), graded))
         ratios = [c for c in map(_compression, group) if c is not None]
         scored = [r for r in group if r.get("nll") is not None]
         ppl = math.exp(sum(r["nll"] for r in scored) / max(sum(r["scored_tokens"] for r in scored), 1)) if scored else None
