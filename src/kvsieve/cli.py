@@ -49,6 +49,13 @@ def _pairs(pairs, flag):
     return parse(pairs, flag)
 
 
+def _usage_error(err: ValueError, **kwargs) -> typer.BadParameter:
+    """``err`` as a usage error of ``kvsieve generate``, in its flags (``kvsieve.eval.cli.usage_error``)."""
+    from .eval.cli import usage_error
+
+    return usage_error(err, generate, **kwargs)
+
+
 def _policy(method, budget, allocator, sinks, recent, interval, settings, protect_prompt=None):
     from .methods import make_policy
 
@@ -59,7 +66,7 @@ def _policy(method, budget, allocator, sinks, recent, interval, settings, protec
     try:
         return make_policy(method, budget=budget, allocator=allocator, **extra, **settings)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _usage_error(err) from None
 
 
 def _steering(path: str | None, settings: dict):
@@ -73,7 +80,7 @@ def _steering(path: str | None, settings: dict):
     try:
         return Steering.preset(SteeringVector.read(path), **settings)
     except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--steering") from None
+        raise _usage_error(err, settings_flag="--steering-set", param_hint="--steering") from None
 
 
 def _load(model: str, device: str, dtype: str):
@@ -149,7 +156,7 @@ def generate(
                                 seed=seed, stop_strings=tuple(stop), prefill_chunk=prefill_chunk, progress=not as_json,
                                 kv_memory_gb=kv_memory_gb, compile=compile)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _usage_error(err) from None
     if batch_size < 1:
         raise typer.BadParameter("--batch-size must be >= 1")
     lm, tokenizer = _load(model, device, dtype)
@@ -168,7 +175,7 @@ def generate(
         except KVMemoryError as err:
             raise typer.BadParameter(str(err), param_hint="--kv-memory-gb") from None
         except ValueError as err:  # settings that only the batch can refuse (LagKV's budget fit)
-            raise typer.BadParameter(str(err)) from None
+            raise _usage_error(err) from None
         for prompt, text, stat in zip(batch, result.texts, result.stats):
             if as_json:
                 print(json.dumps({

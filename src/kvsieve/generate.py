@@ -23,6 +23,7 @@ import torch
 
 from .attention import check_supported
 from .cache import DEAD_POS
+from .checks import SettingError, check_at_least, check_fields
 from .memory import check_fits
 from .policy import Policy
 from .random_models import RANDOM_NOTE, is_random
@@ -65,12 +66,15 @@ class GenerateConfig:
     compile: bool = False
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if self.prefill_chunk < 1 or self.check_every < 1 or self.grow_chunk < 1:
-            raise ValueError("prefill_chunk, check_every and grow_chunk must be >= 1")
+        check_fields(self)
+        for name, least in (("max_new_tokens", 1), ("temperature", 0), ("top_k", 0), ("prefill_chunk", 1),
+                            ("check_every", 1), ("grow_chunk", 1)):
+            check_at_least(name, getattr(self, name), least)
+        if not 0 < self.top_p <= 1:
+            raise SettingError("top_p", f"{{name}} must be in (0, 1], got {self.top_p!r}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise SettingError("kv_memory_gb", f"{{name}} is the KV cache memory a batch may plan, in GiB: it must "
+                                               f"be > 0, got {self.kv_memory_gb!r}")
 
 
 @dataclass

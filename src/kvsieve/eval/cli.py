@@ -32,14 +32,40 @@ def _pairs(pairs: list[str], flag: str) -> dict:
     return out
 
 
-def _bad(fn, *args, **kwargs):
-    """Call ``fn`` turning user-input errors into a typer usage error that prints the message."""
-    from ..data import DataError
+def usage_error(err: ValueError, command=None, flags: dict[str, str] | None = None, settings_flag: str = "--set",
+                param_hint: str | None = None) -> typer.BadParameter:
+    """A typer usage error (one clean message, no traceback) for ``err``, in the command line's terms:
+    a ``SettingError`` names its setting by the flag that set it: the option of that name of typer
+    command function ``command`` (``max_new_tokens`` -> ``--max-new-tokens``), else
+    ``flags[setting]`` (``eval`` takes a budget by ``--budgets``), else ``settings_flag setting``
+    (``--set sinks``)."""
+    from ..checks import SettingError
 
+    if not isinstance(err, SettingError):
+        return typer.BadParameter(str(err), param_hint=param_hint)
+    flag = option_flag(command, err.setting) or (flags or {}).get(err.setting) or f"{settings_flag} {err.setting}"
+    return typer.BadParameter(err.in_terms(flag))
+
+
+def option_flag(command, name: str) -> str | None:
+    """The flag of parameter ``name`` of typer command function ``command`` (its declared long
+    name, else ``--`` + the name with dashes), or None when it has no such option."""
+    import inspect
+
+    param = inspect.signature(command).parameters.get(name) if command is not None else None
+    if param is None or not isinstance(param.default, typer.models.OptionInfo):
+        return None
+    declared = [d for d in param.default.param_decls or () if d.startswith("--")]
+    return declared[0].split("/")[0] if declared else "--" + name.replace("_", "-")
+
+
+def _bad(fn, *args, **kwargs):
+    """Call ``fn`` turning user-input errors into a typer usage error that prints the message
+    (settings named as ``eval`` takes them: a budget by ``--budgets``)."""
     try:
         return fn(*args, **kwargs)
-    except (ValueError, DataError) as err:
-        raise typer.BadParameter(str(err)) from None
+    except ValueError as err:  # DataError is one
+        raise usage_error(err, eval_command, flags={"budget": "--budgets"}) from None
 
 
 def eval_command(
@@ -193,7 +219,10 @@ def trace_command(
                        **_pairs(data_opt, "--data-opt"))  # the sample `kvsieve eval` runs with these
         if sample >= len(samples):
             raise typer.BadParameter(f"--sample {sample}: {dataset} has only {len(samples)} samples")
-        policy = _bad(make_policy, method, budget=budget, **_pairs(set_, "--set"))
+        try:
+            policy = make_policy(method, budget=budget, **_pairs(set_, "--set"))
+        except ValueError as err:
+            raise usage_error(err, trace_command) from None
         directory = out or Path("runs") / f"trace-{method}-{budget}"
         lm, tokenizer = load_model(model, device=device, dtype=dtype)
         config = GenerateConfig(max_new_tokens=max_new_tokens)

@@ -8,10 +8,12 @@ the scorer's dataclass fields, to the schedule (``sinks``, ``recent``, ``interva
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import pkgutil
 
 from ..allocators import ALLOCATORS, make_allocator
+from ..checks import check_kwargs, check_value
 from ..policy import SCORERS, Policy, capped_interval
 from ._wrapper import BASE_SETTINGS
 
@@ -48,18 +50,40 @@ def method_names() -> list[str]:
     return ["full", *sorted(SCORERS)]
 
 
+def _did_you_mean(name: str, known) -> str:
+    """`` (did you mean tova?)`` for the known name nearest to ``name``, or "" when none is near."""
+    near = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def unknown_method(name: str) -> ValueError:
+    """The error for a method name that is neither registered nor ``<wrapper>:<base>``: it suggests
+    the nearest name and lists the methods and the wrappers (a bare wrapper name asks for its base)."""
+    wrappers = ", ".join(f"{prefix}:<base>" for prefix in sorted(WRAPPERS))
+    if name in WRAPPERS:
+        return ValueError(f"method {name!r} wraps another method: name its base, e.g. {name}:tova ({name}:<base>)")
+    return ValueError(f"unknown method {name!r}{_did_you_mean(name, [*method_names(), *WRAPPERS])}; choose one "
+                      f"of: {', '.join(method_names())}; or a wrapper: {wrappers}")
+
+
+def _wrapper(name: str) -> tuple[type, str]:
+    """``(wrapper class, base name)`` of ``"<prefix>:<base>"``, or an error naming the wrappers."""
+    prefix, base = name.split(":", 1)
+    if prefix not in WRAPPERS:
+        raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}{_did_you_mean(prefix, WRAPPERS)}; "
+                         f"wrappers: {', '.join(sorted(WRAPPERS))}")
+    return WRAPPERS[prefix], base
+
+
 def takes_budget(name: str) -> bool:
     """Whether method ``name`` runs at a token budget (``lagkv`` may: its budget is mapped to
     (L, r)); raises the same error as ``make_policy`` for an unknown name."""
     if name == "full":
         return False
     if ":" in name:
-        prefix, base = name.split(":", 1)
-        if prefix not in WRAPPERS:
-            raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
-        return takes_budget(base)
+        return takes_budget(_wrapper(name)[1])
     if name not in SCORERS:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
+        raise unknown_method(name)
     return SCORERS[name].uses_budget or SCORERS[name].fits_budget
 
 
@@ -74,13 +98,16 @@ def sizes_itself(name: str, settings: dict) -> bool:
 
 
 def make_policy(name: str, budget: int | None = None, allocator: str = "uniform", **settings) -> Policy:
-    """Build the policy called ``name``; errors name what is allowed."""
+    """Build the policy called ``name``; errors name what is allowed, and a setting of the wrong
+    type is refused by name before anything is built (``kvsieve.checks``)."""
+    check_value("name", name, str)
+    check_kwargs(Policy, {"budget": budget, **settings})
     if name == "full":
         return Policy(scorer=None)
     if ":" in name:
         return _make_wrapped(name, budget, allocator, **settings)
     if name not in SCORERS:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
+        raise unknown_method(name)
     cls = SCORERS[name]
     scorer_fields = {f.name for f in dataclasses.fields(cls) if f.init}
     scorer_kw = {k: v for k, v in settings.items() if k in scorer_fields}
@@ -90,17 +117,18 @@ def make_policy(name: str, budget: int | None = None, allocator: str = "uniform"
     if unknown:
         allowed = sorted(scorer_fields | set(SCHEDULE_FIELDS))
         raise ValueError(f"unknown setting(s) {sorted(unknown)} for {name!r}; allowed: {allowed} or allocator_*")
+    check_kwargs(cls, scorer_kw)
+    if allocator in ALLOCATORS:
+        check_kwargs(ALLOCATORS[allocator], alloc_kw, prefix="allocator_")
     return Policy(scorer=cls(**scorer_kw), budget=budget, allocator=make_allocator(allocator, **alloc_kw), **schedule_kw)
 
 
 def _make_wrapped(name: str, budget, allocator: str, **settings) -> Policy:
     """``<prefix>:<base>``: the wrapper's own fields go to it, every other setting to the base."""
-    prefix, base = name.split(":", 1)
-    if prefix not in WRAPPERS:
-        raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
-    cls = WRAPPERS[prefix]
+    cls, base = _wrapper(name)
     own = {f.name for f in dataclasses.fields(cls) if f.init} - {BASE_SETTINGS}  # a report, never set
     wrapper_kw = {k: settings.pop(k) for k in list(settings) if k in own}
+    check_kwargs(cls, wrapper_kw)
     defaults = dict(getattr(cls, "schedule_defaults", {}))
     if "interval" in defaults and budget is not None and "interval" not in settings:
         # the wrapper's default interval obeys the same cap as a scorer's (Policy: budget // 2)
