@@ -150,6 +150,7 @@ class SieveLayer(CacheLayerMixin):
         self._query_pos_buf: torch.Tensor | None = None  # [B, 2w]
         self._query_end = 0  # host int: entries of the buffer in use
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
+        self.sliding_window: int | None = None  # its attention window (a sliding-window layer), set with scaling
         # What this step's attention pass computed for the scorer while V was still in the CPU's
         # cache, for the compression after the step (CAOTE's "value_mix"); valid until the store
         # changes: cleared by update, compact, evict and select_rows

@@ -22,6 +22,11 @@ import typing
 from typing import Any
 
 
+class InputError(ValueError):
+    """An input that cannot be used as given (a prompt longer than the model's context, a results
+    file with a bad line): the message says which and what to do, so a CLI shows it as one line."""
+
+
 class SettingError(ValueError):
     """A setting with a value it cannot take.
 

@@ -16,6 +16,7 @@ steps of policies whose allocation is data dependent.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -23,7 +24,7 @@ import torch
 
 from .attention import check_supported
 from .cache import DEAD_POS
-from .checks import SettingError, check_at_least, check_fields
+from .checks import InputError, SettingError, check_at_least, check_fields, shown
 from .memory import check_fits
 from .policy import Policy
 from .random_models import RANDOM_NOTE, is_random
@@ -117,6 +118,47 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------------- inputs
+def prompt_list(prompts) -> list[Prompt]:
+    """``prompts`` as a list of prompts: a bare string is one prompt; an item that is neither text
+    nor a list of chat messages is refused by its index (a ValueError)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) and not _is_chat(prompt):
+            hint = "; to pass one conversation, wrap it in a list: [messages]" if isinstance(prompt, dict) else ""
+            raise ValueError(f"prompts[{index}] must be text or a list of chat messages ({{'role': ..., "
+                             f"'content': ...}}), got {shown(prompt)}{hint}")
+    return prompts
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def context_length(model) -> int | None:
+    """The most positions ``model`` was built for (``max_position_embeddings``), or None if it says none."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def check_context(model, encoded: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse a prompt longer than the model's context (it would be read at positions the model was
+    never trained on, and its output is garbage); warn when the new tokens would run past it."""
+    limit = context_length(model)
+    if limit is None:
+        return
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    tokens = len(encoded[longest])
+    if tokens > limit:
+        raise InputError(f"prompt {longest} has {tokens} tokens, more than the model's context of {limit} "
+                         "(max_position_embeddings); shorten it")
+    if tokens + max_new_tokens > limit:
+        warnings.warn(f"prompt {longest} has {tokens} tokens: with max_new_tokens={max_new_tokens} its generation "
+                      f"may run past the model's context of {limit} tokens, where the text degrades", stacklevel=4)
+
+
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], config: GenerateConfig) -> list[list[int]]:
     """Token ids per prompt, through the chat template when the tokenizer has one."""
     use_template = config.chat_template and getattr(tokenizer, "chat_template", None)
@@ -245,6 +287,8 @@ def generate(
 ) -> GenerationResult:
     """Generate for a batch of prompts with a compressed KV cache.
 
+    ``prompts`` are texts or chat message lists (a bare string is one prompt); one longer than the
+    model's context (``max_position_embeddings``) is refused.
     ``policy`` defaults to no eviction.  ``on_token(row, new_token_ids)`` streams tokens as
     they are read back, every ``config.check_every`` steps (set it to 1 for token-by-token
     streaming; each read is a host sync).  ``on_finish(row, text, stats, settings)`` is called
@@ -256,9 +300,11 @@ def generate(
     policy = policy or Policy(scorer=None)
     config = config or GenerateConfig()
     check_supported(model)
+    prompts = prompt_list(prompts)
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
     encoded = encode_prompts(tokenizer, prompts, config)
+    check_context(model, encoded, config.max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, positions = left_pad(encoded, pad_id or 0, model.device)
     horizon = input_ids.shape[1] + config.max_new_tokens
