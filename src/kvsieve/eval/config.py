@@ -243,6 +243,25 @@ class EvalConfig:
                     fields["settings"][method] = {**fields["settings"][method], "steering": steering}
         return json.loads(json.dumps(fields, sort_keys=True))
 
+    def same_settings(self, label: str, before: dict[str, Any], now: dict[str, Any]) -> bool:
+        """Whether method ``label`` runs the same under ``before`` and ``now`` (its settings as
+        ``result_fields`` records them): the same steering, and the same policy settings at every
+        budget of this grid (``tova.sinks=0`` is TOVA's default, so it is no change)."""
+        from ..methods import make_policy
+
+        if before == now:
+            return True
+        if before.get("steering") != now.get("steering"):
+            return False
+        method = split_steer(label)[0]
+        budgets = [budget for cell_label, budget in self.cells() if cell_label == label] or [None]
+        own = [{k: v for k, v in settings.items() if k != "steering"} for settings in (before, now)]
+        try:
+            first, second = ([make_policy(method, budget=b, **s).settings() for b in budgets] for s in own)
+        except ValueError:  # settings that no longer build a policy are a change
+            return False
+        return first == second
+
     def steering_identity(self) -> dict[str, Any]:
         """What the steered rows were produced under: ``Steering.settings()`` (layer, strengths,
         the vector's model, build settings and sha256), read from the file without the model."""

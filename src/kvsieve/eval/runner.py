@@ -15,6 +15,7 @@ import time
 from contextlib import nullcontext
 from typing import Any, Callable, Iterable
 
+from ..checks import InputError
 from ..data import Sample, load_dataset
 from ..grading import grade
 from .config import Cell, EvalConfig, split_steer
@@ -84,7 +85,7 @@ def check_prompts(config: EvalConfig, samples: list[Sample], stored: dict[str, s
     under one id.  Rows written before rows carried ``prompt_sha256`` are not checked."""
     changed = [s.id for s in samples if s.id in stored and stored[s.id] != prompt_digest(s)]
     if changed:
-        raise ValueError(f"{config.out} has rows for sample(s) {', '.join(changed[:5])}"
+        raise InputError(f"{config.out} has rows for sample(s) {', '.join(changed[:5])}"
                          f"{' ...' if len(changed) > 5 else ''} whose prompt or reference has changed since "
                          "(data file, prompt template or generated data set); use another --out directory")
 
@@ -184,6 +185,12 @@ def _perplexity_row(model, tokenizer, config, cell, policy, sample: Sample, kv_h
             "batch_size": 1, "text": "", "extracted": None, "correct": None}
 
 
+def check_run_manifest(config: EvalConfig) -> None:
+    """Record the grid's settings in ``run.json``, or refuse to add rows produced under others
+    (``check_manifest``; settings typed differently that run each method the same are no change)."""
+    check_manifest(config.out, config.result_fields(), same=config.same_settings)
+
+
 def pending_work(config: EvalConfig, samples: list[Sample], done: set) -> list[tuple[Cell, list[Sample]]]:
     """(cell, samples to run) for every cell, ``full`` first; finished keys are left out."""
     return [(cell, [s for s in samples if (s.id, cell[0], cell[1]) not in done]) for cell in config.cells()]
@@ -209,7 +216,7 @@ def check_cell_settings(config: EvalConfig, cell_settings: dict[Cell, dict], wor
         keys = [k for k in now if k not in fitted and cell_settings[cell].get(k) != now[k]]
         changed += [f"{cell_label(cell)} {k}: {cell_settings[cell].get(k)!r} before, {now[k]!r} now" for k in keys]
     if changed:
-        raise ValueError(f"{config.out} has rows of cells whose method settings have changed since "
+        raise InputError(f"{config.out} has rows of cells whose method settings have changed since "
                          f"({'; '.join(changed)}); delete those cells' rows to rerun them under the new "
                          "settings, or use another --out directory")
 
@@ -243,7 +250,7 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
     each row is durably written.
     """
     samples = load_samples(config)
-    check_manifest(config.out, config.result_fields())
+    check_run_manifest(config)
     with ResultStore(config.out, config.results_name) as store:
         work = pending_work(config, samples, store.done)
         todo = sum(len(s) for _, s in work)
