@@ -274,12 +274,12 @@ def lm_eval(ctx: typer.Context):
 
 
 def _register_subcommands() -> None:
-    from .analysis import mri, retention
+    from .analysis import commands
     from .eval import cli as eval_cli
 
-    mri.register(app)  # creates the `analyze` group the others add to
+    commands.register_mri(app)  # creates the `analyze` group the others add to
     eval_cli.register(app)
-    retention.register(app)
+    commands.register_retention(app)
 
 
 _register_subcommands()
