@@ -180,3 +180,38 @@ def test_a_steering_vector_of_the_wrong_length_or_layer_is_refused_before_decodi
 
 def test_steering_strengths_are_type_checked():
     assert message(Steering, None, alpha0="1") == "alpha0= must be a number, got '1' (str)"
+
+
+# ---------------------------------------------------------------------------- statistics
+@pytest.mark.parametrize("method,settings,peak,steady", [
+    ("tova", {}, 60, 16 + 1),  # the prompt held whole after prefill; then budget + the token of each step
+    ("lazy", {"window": 4}, 60 + 4, 16 + 4),  # compresses after W decode steps: prompt + W; then B + W
+    ("full", {}, 60 + 20 - 1, 0),  # never compresses: no steady state
+])
+def test_the_steady_peak_leaves_out_the_prompt_held_before_the_first_compression(method, settings, peak, steady):
+    model, tok = tiny()  # 2 kv heads; a 60-byte prompt is 60 tokens, over the budget of 16
+    policy = make_policy(method, budget=None if method == "full" else 16, **settings)
+    stat = generate(model, tok, ["x" * 60], policy, GenerateConfig(max_new_tokens=20, ignore_eos=True)).stats[0]
+    assert stat.peak_kv_tokens == [2 * peak] * 2  # per layer, summed over the kv heads
+    assert stat.steady_peak_kv_tokens == [2 * steady] * 2
+
+
+def test_the_report_judges_the_bound_on_the_steady_state_and_counts_the_prefill_transient_apart():
+    from kvsieve.eval.report import bound_text, summarize, table_rows
+
+    def row(method, sample, peak, steady=None):  # a 100-token prompt against a budget of 32, on 3 kv heads
+        extra = {} if steady is None else {"steady_peak_kv_tokens": 3 * steady}
+        return {"id": sample, "method": method, "budget": None if method == "full" else 32, "kv_heads": 3,
+                "settings": {}, "prompt_tokens": 100, "generated_tokens": 50, "peak_kv_tokens": 3 * peak,
+                "final_kv_tokens": 3 * 32, "compression_events": 5, "correct": True, **extra}
+
+    rows = [row("full", "a", 150), row("full", "b", 150),
+            row("tova", "a", 100, steady=33), row("tova", "b", 40, steady=40),  # the prompt: a transient only
+            row("lazy", "a", 100, steady=49), row("lazy", "b", 100, steady=40),  # 49 > 1.5 x 32 after compressing
+            row("h2o", "a", 100), row("h2o", "b", 40)]  # rows written before the steady peak: the whole peak
+    summaries = {s.method: s for s in summarize(rows)}
+    assert {m: bound_text(s) for m, s in summaries.items()} == {
+        "full": "-", "tova": "ok (prefill 1/2)", "lazy": "OVER 1/2 (prefill 1/2)", "h2o": "OVER 1/2"}
+    columns, cells = table_rows(list(summaries.values()))
+    steady = {cell[0]: (cell[columns.index("peak live/head")], cell[columns.index("steady/head")]) for cell in cells}
+    assert steady == {"full": ("150", "-"), "tova": ("70", "36"), "lazy": ("100", "44"), "h2o": ("70", "-")}

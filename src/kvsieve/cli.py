@@ -144,7 +144,8 @@ def generate(
     kv_memory_gb: Optional[float] = typer.Option(
         None, help="Refuse, before decoding, a batch whose planned KV cache exceeds this many GiB "
                    "(the error names the largest batch that fits)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt (KV token counts per layer, "
+                                 "summed over its kv_heads)."),
     compile: bool = typer.Option(False, "--compile", help="Compile the decode step (torch.compile: Inductor on "
                                  "CPU, CUDA graphs on CUDA); compile time is reported apart from decode time."),
     steering_file: Optional[str] = typer.Option(
@@ -180,6 +181,7 @@ def generate(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--steering") from None
     label = policy.name + (" +steering" if steering is not None else "")
+    kv_heads = lm.config.num_key_value_heads
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
         try:
@@ -192,7 +194,8 @@ def generate(
             if as_json:
                 print(json.dumps({
                     "prompt": prompt, "text": text, "generated_tokens": stat.generated_tokens,
-                    "peak_kv_tokens": stat.peak_kv_tokens, "peak_kv_bytes": stat.peak_kv_bytes,
+                    "peak_kv_tokens": stat.peak_kv_tokens, "steady_peak_kv_tokens": stat.steady_peak_kv_tokens,
+                    "kv_heads": kv_heads, "peak_kv_bytes": stat.peak_kv_bytes,
                     "tokens_per_s": round(stat.tokens_per_s, 3), "compression_events": stat.compression_events,
                     "finish_reason": stat.finish_reason, "settings": result.settings,
                 }), flush=True)
@@ -200,10 +203,13 @@ def generate(
             console.rule(f"[bold]{prompt[:70]}")
             console.print(text)
             table = Table(show_header=True)
-            for col in ("method", "generated", "peak KV tokens (max layer)", "peak KV bytes", "tokens/s", "compressions"):
+            for col in ("method", "generated", "peak live KV tokens per kv head (max layer)",
+                        "the same after the 1st compression", "peak KV bytes", "tokens/s", "compressions"):
                 table.add_column(col)
-            table.add_row(label, str(stat.generated_tokens), str(max(stat.peak_kv_tokens, default=0)),
-                          f"{stat.peak_kv_bytes:,}", f"{stat.tokens_per_s:.1f}", str(stat.compression_events))
+            per_head = [f"{max(tokens, default=0) / kv_heads:.0f}" for tokens in (stat.peak_kv_tokens,
+                                                                                  stat.steady_peak_kv_tokens)]
+            table.add_row(label, str(stat.generated_tokens), *per_head, f"{stat.peak_kv_bytes:,}",
+                          f"{stat.tokens_per_s:.1f}", str(stat.compression_events))
             console.print(table)
 
 

@@ -81,7 +81,10 @@ class GenerateConfig:
 @dataclass
 class RowStats:
     """Per-prompt statistics. KV token counts are per layer, summed over kv heads; bytes are
-    the cache's allocated bytes (K, V and per-token metadata) divided by the rows sharing it."""
+    the cache's allocated bytes (K, V and per-token metadata) divided by the rows sharing it.
+    ``peak_kv_tokens`` includes the prefill transient (a prompt held whole until its first
+    compression); ``steady_peak_kv_tokens`` counts only after the first compression (zeros if none):
+    the peaks a budget bounds."""
 
     prompt_tokens: int
     generated_tokens: int = 0
@@ -93,6 +96,7 @@ class RowStats:
     tokens_per_s: float = 0.0
     final_kv_tokens: list[int] = field(default_factory=list)
     peak_kv_tokens: list[int] = field(default_factory=list)
+    steady_peak_kv_tokens: list[int] = field(default_factory=list)
     peak_kv_bytes: int = 0
     compression_events: int = 0
 
@@ -252,11 +256,13 @@ class _Rows:
     def finish(self, session: DecodeSession, cache_rows: list[int], decode_start: float) -> None:
         """Fill in the statistics of the rows in ``cache_rows`` and hand them to ``on_finish``."""
         final, peak = session.row_kv_tokens(cache_rows)
+        steady = session.row_steady_peaks(cache_rows)
         decode_s = time.perf_counter() - decode_start - session.compile_s
-        for cache_row, final_tokens, peak_tokens in zip(cache_rows, final, peak):
+        for cache_row, final_tokens, peak_tokens, steady_tokens in zip(cache_rows, final, peak, steady):
             row = session.slots[cache_row]
             stat = self.stats[row]
             stat.final_kv_tokens, stat.peak_kv_tokens = final_tokens, peak_tokens
+            stat.steady_peak_kv_tokens = steady_tokens
             stat.peak_kv_bytes = session.peak_kv_bytes[row]
             stat.compression_events = session.compression_events[row]
             stat.generated_tokens = len(self.tokens[row])

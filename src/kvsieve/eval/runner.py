@@ -118,6 +118,7 @@ def _stat_fields(stat) -> dict[str, Any]:
     return {
         "prompt_tokens": stat.prompt_tokens, "generated_tokens": stat.generated_tokens,
         "finish_reason": stat.finish_reason, "peak_kv_tokens": max(stat.peak_kv_tokens, default=0),
+        "steady_peak_kv_tokens": max(stat.steady_peak_kv_tokens, default=0),
         "final_kv_tokens": max(stat.final_kv_tokens, default=0), "final_kv_tokens_mean": _layer_mean(stat.final_kv_tokens),
         "peak_kv_bytes": stat.peak_kv_bytes,
         "tokens_per_s": round(stat.tokens_per_s, 3), "prefill_s": round(stat.prefill_s, 4),
