@@ -53,10 +53,10 @@ def eval_args(data, out, *extra):
     (["--method", "caote", "--budget", "32"],
      "Invalid value: method 'caote' wraps another method: name its base, e.g. caote:tova (caote:<base>)"),
     (["--threads", "0"], "Invalid value for '--threads': Input should be greater than or equal to 1"),
-    (["--model", "smollm2 135m"], "Invalid value: model 'smollm2 135m' is no bundled name (smollm2-135m, "
-                                  "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b) and no local directory, and it is not a "
-                                  "valid hub id; did you mean smollm2-135m? use a bundled name, a local checkpoint "
-                                  "directory or a hub id"),
+    (["--model", "smollm2 135m"], "Invalid value: model 'smollm2 135m' (did you mean smollm2-135m?) is no bundled "
+                                  "name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b) and no local directory, "
+                                  "and it is not a valid hub id; use a bundled name, a local checkpoint directory or a "
+                                  "hub id"),
     (["--model", "./no/such/dir"], "Invalid value: model directory './no/such/dir' does not exist"),
 ])
 def test_generate_refuses_bad_settings_in_one_line_naming_the_flag(args, expected):

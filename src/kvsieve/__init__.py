@@ -13,8 +13,8 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
-_EXPORTS = {  # name -> the submodule that defines it
-    "SieveCache": "cache", "SieveLayer": "cache",
+_EXPORTS = {  # name -> the submodule to take it from
+    "SieveCache": "hf", "SieveLayer": "cache",  # SieveCache by way of hf, which serves SieveCache.for_model
     "GenerateConfig": "generate", "GenerationResult": "generate", "RowStats": "generate", "generate": "generate",
     "make_policy": "methods", "method_names": "methods",
     "Policy": "policy", "Scorer": "policy", "register": "policy",

@@ -14,6 +14,7 @@ it before it decides to load a model.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import numbers
@@ -138,3 +139,9 @@ def check_at_least(name: str, value, least) -> None:
     """Raise ``SettingError`` unless ``value >= least``."""
     if value < least:
         raise SettingError(name, f"{{name}} must be >= {least}, got {value!r}")
+
+
+def did_you_mean(name: str, known) -> str:
+    """`` (did you mean tova?)`` for the name in ``known`` nearest to ``name``, or "" when none is near."""
+    near = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {near[0]}?)" if near else ""

@@ -8,7 +8,6 @@ Hugging Face hub id. CLI: ``python -m kvsieve.models install NAME`` / ``path NAM
 from __future__ import annotations
 
 import argparse
-import difflib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from .checks import InputError
+from .checks import InputError, did_you_mean
 
 if TYPE_CHECKING:  # transformers is imported lazily: it is slow and only needed to load models
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -279,10 +278,9 @@ def _resolve_source(name: str) -> tuple[str, bool]:
 
 
 def _not_a_model(name: str, why: str) -> ModelNotFoundError:
-    near = difflib.get_close_matches(name, list(BUNDLED), n=1)
-    hint = f"did you mean {near[0]}? " if near else ""
-    return ModelNotFoundError(f"model {name!r} is no bundled name ({', '.join(BUNDLED)}) and no local directory, "
-                              f"and {why}; {hint}use a bundled name, a local checkpoint directory or a hub id")
+    return ModelNotFoundError(f"model {name!r}{did_you_mean(name, BUNDLED)} is no bundled name ({', '.join(BUNDLED)}) "
+                              f"and no local directory, and {why}; use a bundled name, a local checkpoint directory "
+                              "or a hub id")
 
 
 def check_hub_model(name: str) -> None:

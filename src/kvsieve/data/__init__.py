@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..checks import did_you_mean
 from .records import DataError, Record, read_hub, read_records
 from .sample import FileDataset, Sample
 from .sets import FILE_DATASETS
@@ -131,7 +132,8 @@ def load_dataset(name: str, path: str | os.PathLike | None = None, limit: int | 
     elif name == "text":
         samples = text_chunks(None if path is None else str(path), _options(TextOptions, options, name))[:limit]
     else:
-        raise DataError(f"unknown data set {name!r}; choose one of: {', '.join(dataset_names())}")
+        raise DataError(f"unknown data set {name!r}{did_you_mean(name, dataset_names())}; choose one of: "
+                        f"{', '.join(dataset_names())}")
     _check_unique(samples, name)
     return samples
 

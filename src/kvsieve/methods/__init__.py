@@ -8,12 +8,11 @@ the scorer's dataclass fields, to the schedule (``sinks``, ``recent``, ``interva
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import pkgutil
 
 from ..allocators import ALLOCATORS, make_allocator
-from ..checks import check_kwargs, check_value
+from ..checks import check_kwargs, check_value, did_you_mean
 from ..policy import SCORERS, Policy, capped_interval
 from ._wrapper import BASE_SETTINGS
 
@@ -50,19 +49,13 @@ def method_names() -> list[str]:
     return ["full", *sorted(SCORERS)]
 
 
-def _did_you_mean(name: str, known) -> str:
-    """`` (did you mean tova?)`` for the known name nearest to ``name``, or "" when none is near."""
-    near = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {near[0]}?)" if near else ""
-
-
 def unknown_method(name: str) -> ValueError:
     """The error for a method name that is neither registered nor ``<wrapper>:<base>``: it suggests
     the nearest name and lists the methods and the wrappers (a bare wrapper name asks for its base)."""
     wrappers = ", ".join(f"{prefix}:<base>" for prefix in sorted(WRAPPERS))
     if name in WRAPPERS:
         return ValueError(f"method {name!r} wraps another method: name its base, e.g. {name}:tova ({name}:<base>)")
-    return ValueError(f"unknown method {name!r}{_did_you_mean(name, [*method_names(), *WRAPPERS])}; choose one "
+    return ValueError(f"unknown method {name!r}{did_you_mean(name, [*method_names(), *WRAPPERS])}; choose one "
                       f"of: {', '.join(method_names())}; or a wrapper: {wrappers}")
 
 
@@ -70,7 +63,7 @@ def _wrapper(name: str) -> tuple[type, str]:
     """``(wrapper class, base name)`` of ``"<prefix>:<base>"``, or an error naming the wrappers."""
     prefix, base = name.split(":", 1)
     if prefix not in WRAPPERS:
-        raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}{_did_you_mean(prefix, WRAPPERS)}; "
+        raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}{did_you_mean(prefix, WRAPPERS)}; "
                          f"wrappers: {', '.join(sorted(WRAPPERS))}")
     return WRAPPERS[prefix], base
 
