@@ -63,9 +63,11 @@ def test_generate_refuses_bad_settings_in_one_line_naming_the_flag(args, expecte
     assert error_of("generate", *args, "hi").startswith(expected)
 
 
-def test_eval_names_a_method_setting_by_set_and_a_budget_by_budgets(gsm, tmp_path):
+def test_eval_names_a_setting_by_its_flag_set_or_budgets(gsm, tmp_path):
     assert error_of(*eval_args(gsm, tmp_path / "a", "--methods", "tova", "--set", "tova.sinks=1.5")) == (
         "Invalid value: --set sinks must be an integer, got 1.5 (float)")
+    assert error_of(*eval_args(gsm, tmp_path / "a", "--prefill-chunk", "0")) == (
+        "Invalid value: --prefill-chunk must be >= 1, got 0")  # before any model loads
     assert error_of(*eval_args(gsm, tmp_path / "a", "--methods", "streaming", "--budgets", "3")) == (
         "Invalid value: budget 3 is smaller than the protected tokens: sinks 4 + recent 0; raise --budgets to at "
         "least 4 or lower sinks/recent")

@@ -212,6 +212,14 @@ class EvalConfig:
         stray = set(self.settings) - set(self.methods)
         if stray:
             raise ValueError(f"settings given for method(s) {sorted(stray)} not in methods {list(self.methods)}")
+        self.generate_config()  # a decoding setting it refuses fails here, before any model loads
+
+    def generate_config(self):
+        """The ``GenerateConfig`` every generated row of the grid decodes with."""
+        from ..generate import GenerateConfig
+
+        return GenerateConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+                              prefill_chunk=self.prefill_chunk, compile=self.compile)
 
     def cells(self) -> list[Cell]:
         """``full`` first (the reference), then every method at every budget it takes (once without

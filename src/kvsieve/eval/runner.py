@@ -150,12 +150,11 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
             if on_row is not None:
                 on_row(rows[-1])
         return rows
-    from ..generate import GenerateConfig, generate
+    from ..generate import generate
 
     if steered and steering is None:
         steering = make_steering(config, model)
-    gen_config = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                seed=config.seed, prefill_chunk=config.prefill_chunk, compile=config.compile)
+    gen_config = config.generate_config()
     rows: dict[int, dict[str, Any]] = {}
 
     def finished(index: int, text: str, stat, settings: dict) -> None:
