@@ -188,7 +188,7 @@ def generate(
             result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
         except KVMemoryError as err:
             raise typer.BadParameter(str(err), param_hint="--kv-memory-gb") from None
-        except ValueError as err:  # settings that only the batch can refuse (LagKV's budget fit)
+        except ValueError as err:  # what only the batch shows: a prompt over the context, LagKV's budget fit
             raise _usage_error(err) from None
         for prompt, text, stat in zip(batch, result.texts, result.stats):
             if as_json:

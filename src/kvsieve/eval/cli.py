@@ -73,7 +73,7 @@ def set_threads(threads: int | None) -> None:
 
 def _bad(fn, *args, **kwargs):
     """Call ``fn`` turning user-input errors into a typer usage error that prints the message
-    (settings named as ``eval`` takes them: a budget by ``--budgets``)."""
+    (a setting named by its flag of ``eval``, the command that takes settings)."""
     try:
         return fn(*args, **kwargs)
     except ValueError as err:  # DataError is one
@@ -165,8 +165,7 @@ def eval_command(
         store = run_grid(config, progress=progress, use_ray=ray, ray_address=ray_address, ray_gpus=ray_gpus)
     except SteeringModelError as err:
         raise typer.BadParameter(str(err), param_hint="--steering") from None
-    except (InputError, SettingError) as err:  # the results directory (a bad line, a writer still running), a
-        # prompt, the model name, a setting only a batch can refuse (LagKV's budget fit)
+    except (InputError, SettingError) as err:  # what only the run can see (above)
         raise usage_error(err, eval_command, flags=EVAL_FLAGS) from None
     console.print(rich_table(summarize(load_results(config.out)), title=f"{model} on {dataset}"))
     console.print(f"rows in {store.path}; write the report with: kvsieve report {config.out}")
