@@ -31,6 +31,11 @@ ATTN_IMPLEMENTATION = "kvsieve"
 # and then the registered attention function (checked against transformers 5.x sources).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
+# Layer types kvsieve's attention computes as transformers does: causal, and causal within the
+# ``sliding_window`` the attention module passes (Mistral for every layer, Qwen2/Qwen3 for the
+# layers ``use_sliding_window`` makes sliding).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
 # observer(layer, layer_idx, probs, query_pos): probs [B, H_kv, G, T, capacity] of this step's
 # queries (zero rows for padding queries), query_pos [B, T] their positions.  It returns None,
 # or weights W [B, H_kv, R, capacity] over the cached tokens whose mixes M = W V the scorer
@@ -101,19 +106,24 @@ def check_supported(model) -> None:
             "(Llama, Qwen2/2.5, Qwen3, Mistral and their R1-Distill variants)."
         )
     layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    if other:
         raise ValueError(
-            f"model {model_type!r} uses non-full attention layers {sorted(set(layer_types))}; "
-            "kvsieve needs full attention in every layer (disable sliding windows in the config)."
+            f"model {model_type!r} has attention layers of type {other}; kvsieve supports "
+            f"{' and '.join(ATTENTION_LAYER_TYPES)} layers only."
         )
 
 
-def visible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[B, H_kv, T, capacity] bool: which cached slots each query may attend to.
 
-    key_pos: [B, H_kv, capacity] (DEAD_POS for dead/padding slots); query_pos: [B, T].
+    key_pos: [B, H_kv, capacity] (DEAD_POS for dead/padding slots); query_pos: [B, T].  ``window``
+    (a sliding-window layer): a query at position q sees keys at q - window < p <= q only, as
+    transformers' ``sliding_window_overlay``.
     """
-    return key_pos[:, :, None, :] <= query_pos[:, None, :, None]
+    keys, queries = key_pos[:, :, None, :], query_pos[:, None, :, None]
+    allowed = keys <= queries
+    return allowed if window is None else allowed & (keys > queries - window)
 
 
 def attention_probs(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -136,7 +146,8 @@ def window_attention(layer: SieveLayer) -> torch.Tensor:
     if layer.recent_queries is None:
         raise RuntimeError("window_attention: no queries recorded; the scorer must set query_window > 0")
     qpos = layer.recent_query_pos  # [B, w]
-    probs = attention_probs(layer.recent_queries, layer.keys, visible(layer.meta["pos"], qpos), layer.scaling)
+    probs = attention_probs(layer.recent_queries, layer.keys, visible(layer.meta["pos"], qpos, layer.sliding_window),
+                            layer.scaling)
     if qpos.shape[1] == 1:  # the newest query is always a real token (left padding comes first)
         return probs
     return probs.mul_((qpos != DEAD_POS)[:, None, None, :, None])  # in place: probs can be large
@@ -156,16 +167,18 @@ def _grouped_sdpa(query, key, value, allowed, scaling):
     return out.reshape(B, Hq, T, value.shape[-1])
 
 
-def sieve_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, kvsieve=None, **kwargs):
-    """The registered attention function. Returns ([B, T, H_q, D], None)."""
+def sieve_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, kvsieve=None,
+                    sliding_window=None, **kwargs):
+    """The registered attention function. Returns ([B, T, H_q, D], None).  ``sliding_window``: the
+    window of a sliding-window layer, as the attention module passes it (None: full attention)."""
     if kvsieve is None:  # transformers' own generate over a ScheduledCache
         kvsieve = _step_for(module, key)
     layer = kvsieve.cache.layers[module.layer_idx]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    layer.scaling = scaling
+    layer.scaling, layer.sliding_window = scaling, sliding_window
     layer.remember_queries(query, kvsieve.query_pos)
-    allowed = visible(layer.meta["pos"], kvsieve.query_pos)  # [B, H_kv, T, cap]
+    allowed = visible(layer.meta["pos"], kvsieve.query_pos, sliding_window)  # [B, H_kv, T, cap]
     if kvsieve.observer is not None:
         probs = attention_probs(query, key, allowed, scaling)  # [B, H_kv, G, T, cap]
         real = (kvsieve.query_pos != DEAD_POS)[:, None, None, :, None]  # padding queries attend to nothing

@@ -132,6 +132,7 @@ class LayerView:
     step_results: dict[str, Any]
     layer_idx: int
     max_len: int
+    sliding_window: int | None = None  # the layer's attention window (a sliding-window layer)
 
     def live(self) -> torch.Tensor:
         """[B, H_kv, capacity] bool: slots holding a real token."""
@@ -207,6 +208,7 @@ class SieveLayer(CacheLayerMixin):
         self._query_pos_buf: torch.Tensor | None = None  # [B, 2w]
         self._query_end = 0  # host int: entries of the buffer in use
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
+        self.sliding_window: int | None = None  # its attention window (a sliding-window layer), set with scaling
         # What this step's attention pass computed for the scorer while V was still in the CPU's
         # cache, for the compression after the step (CAOTE's "value_mix"); valid until the store
         # changes: cleared by update, compact, evict and select_rows
@@ -467,7 +469,8 @@ class SieveLayer(CacheLayerMixin):
     def view(self) -> LayerView:
         """This layer as scorers and analyses read it (shares its tensors and dicts)."""
         return LayerView(self.keys, self.values, self.lengths, self.meta, self.sums, self.recent_queries,
-                         self.recent_query_pos, self.scaling, self.step_results, self.layer_idx, self.max_len)
+                         self.recent_query_pos, self.scaling, self.step_results, self.layer_idx, self.max_len,
+                         self.sliding_window)
 
     def allocated_bytes(self) -> int:
         """Bytes this layer holds right now: K, V, every per-token metadata tensor and running sum."""

@@ -49,6 +49,19 @@ def _pairs(pairs, flag):
     return parse(pairs, flag)
 
 
+def _set_threads(threads):
+    from .eval.cli import set_threads
+
+    set_threads(threads)
+
+
+def _usage_error(err: ValueError, **kwargs) -> typer.BadParameter:
+    """``err`` as a usage error of ``kvsieve generate``, in its flags (``kvsieve.eval.cli.usage_error``)."""
+    from .eval.cli import usage_error
+
+    return usage_error(err, generate, **kwargs)
+
+
 def _policy(method, budget, allocator, sinks, recent, interval, settings, protect_prompt=None):
     from .methods import make_policy
 
@@ -59,7 +72,7 @@ def _policy(method, budget, allocator, sinks, recent, interval, settings, protec
     try:
         return make_policy(method, budget=budget, allocator=allocator, **extra, **settings)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _usage_error(err, flags={key: f"--set {key}" for key in settings}) from None
 
 
 def _steering(path: str | None, settings: dict):
@@ -73,14 +86,18 @@ def _steering(path: str | None, settings: dict):
     try:
         return Steering.preset(SteeringVector.read(path), **settings)
     except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--steering") from None
+        raise _usage_error(err, settings_flag="--steering-set", param_hint="--steering") from None
 
 
 def _load(model: str, device: str, dtype: str):
-    from .models import load_model
+    """``(model, tokenizer)``; a name that names no model, or a model not installed, is a usage error."""
+    from .models import ModelNotInstalledError, load_model
 
-    with console.status(f"loading {model} ..."):
-        return load_model(model, device=device, dtype=dtype)
+    try:
+        with console.status(f"loading {model} ..."):
+            return load_model(model, device=device, dtype=dtype)
+    except (ValueError, ModelNotInstalledError) as err:  # ModelNotFoundError, an unknown device or dtype
+        raise typer.BadParameter(str(err)) from None
 
 
 @app.command()
@@ -123,10 +140,12 @@ def generate(
         None, help="Prompt tokens per prefill forward pass (default: the method's block size, else 512)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
     kv_memory_gb: Optional[float] = typer.Option(
         None, help="Refuse, before decoding, a batch whose planned KV cache exceeds this many GiB "
                    "(the error names the largest batch that fits)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt (KV token counts per layer, "
+                                 "summed over its kv_heads)."),
     compile: bool = typer.Option(False, "--compile", help="Compile the decode step (torch.compile: Inductor on "
                                  "CPU, CUDA graphs on CUDA); compile time is reported apart from decode time."),
     steering_file: Optional[str] = typer.Option(
@@ -149,9 +168,10 @@ def generate(
                                 seed=seed, stop_strings=tuple(stop), prefill_chunk=prefill_chunk, progress=not as_json,
                                 kv_memory_gb=kv_memory_gb, compile=compile)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _usage_error(err) from None
     if batch_size < 1:
         raise typer.BadParameter("--batch-size must be >= 1")
+    _set_threads(threads)
     lm, tokenizer = _load(model, device, dtype)
     if model.startswith("random:"):
         console.print("[bold yellow]random weights: speed only[/]")
@@ -161,19 +181,21 @@ def generate(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--steering") from None
     label = policy.name + (" +steering" if steering is not None else "")
+    kv_heads = lm.config.num_key_value_heads
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
         try:
             result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
         except KVMemoryError as err:
             raise typer.BadParameter(str(err), param_hint="--kv-memory-gb") from None
-        except ValueError as err:  # settings that only the batch can refuse (LagKV's budget fit)
-            raise typer.BadParameter(str(err)) from None
+        except ValueError as err:  # what only the batch shows: a prompt over the context, LagKV's budget fit
+            raise _usage_error(err) from None
         for prompt, text, stat in zip(batch, result.texts, result.stats):
             if as_json:
                 print(json.dumps({
                     "prompt": prompt, "text": text, "generated_tokens": stat.generated_tokens,
-                    "peak_kv_tokens": stat.peak_kv_tokens, "peak_kv_bytes": stat.peak_kv_bytes,
+                    "peak_kv_tokens": stat.peak_kv_tokens, "steady_peak_kv_tokens": stat.steady_peak_kv_tokens,
+                    "kv_heads": kv_heads, "peak_kv_bytes": stat.peak_kv_bytes,
                     "tokens_per_s": round(stat.tokens_per_s, 3), "compression_events": stat.compression_events,
                     "finish_reason": stat.finish_reason, "settings": result.settings,
                 }), flush=True)
@@ -181,10 +203,13 @@ def generate(
             console.rule(f"[bold]{prompt[:70]}")
             console.print(text)
             table = Table(show_header=True)
-            for col in ("method", "generated", "peak KV tokens (max layer)", "peak KV bytes", "tokens/s", "compressions"):
+            for col in ("method", "generated", "peak live KV tokens per kv head (max layer)",
+                        "the same after the 1st compression", "peak KV bytes", "tokens/s", "compressions"):
                 table.add_column(col)
-            table.add_row(label, str(stat.generated_tokens), str(max(stat.peak_kv_tokens, default=0)),
-                          f"{stat.peak_kv_bytes:,}", f"{stat.tokens_per_s:.1f}", str(stat.compression_events))
+            per_head = [f"{max(tokens, default=0) / kv_heads:.0f}" for tokens in (stat.peak_kv_tokens,
+                                                                                  stat.steady_peak_kv_tokens)]
+            table.add_row(label, str(stat.generated_tokens), *per_head, f"{stat.peak_kv_bytes:,}",
+                          f"{stat.tokens_per_s:.1f}", str(stat.compression_events))
             console.print(table)
 
 
@@ -201,11 +226,15 @@ def demo(
 ):
     """Full cache vs the seed methods: KV memory while generating, tokens/s and passkey retrieval."""
     from .demo import main as run_demo
+    from .models import ModelNotFoundError
 
     names = [m.strip() for m in methods_.split(",") if m.strip()]
     for name in names:
         _policy(name, None if name == "full" else budget, "uniform", None, None, None, {})  # clear errors first
-    run_demo(model, budget, names, max_new_tokens, passkeys, out, device, dtype, console=console)
+    try:
+        run_demo(model, budget, names, max_new_tokens, passkeys, out, device, dtype, console=console)
+    except ModelNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint="--model") from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
@@ -251,12 +280,12 @@ def lm_eval(ctx: typer.Context):
 
 
 def _register_subcommands() -> None:
-    from .analysis import mri, retention
+    from .analysis import commands
     from .eval import cli as eval_cli
 
-    mri.register(app)  # creates the `analyze` group the others add to
+    commands.register_mri(app)  # creates the `analyze` group the others add to
     eval_cli.register(app)
-    retention.register(app)
+    commands.register_retention(app)
 
 
 _register_subcommands()

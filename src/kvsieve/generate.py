@@ -16,6 +16,7 @@ steps of policies whose allocation is data dependent.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -23,6 +24,7 @@ import torch
 
 from .attention import check_supported
 from .cache import DEAD_POS
+from .checks import InputError, SettingError, check_at_least, check_fields, shown
 from .memory import check_fits
 from .policy import Policy
 from .random_models import RANDOM_NOTE, is_random
@@ -65,18 +67,24 @@ class GenerateConfig:
     compile: bool = False
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if self.prefill_chunk < 1 or self.check_every < 1 or self.grow_chunk < 1:
-            raise ValueError("prefill_chunk, check_every and grow_chunk must be >= 1")
+        check_fields(self)
+        for name, least in (("max_new_tokens", 1), ("temperature", 0), ("top_k", 0), ("prefill_chunk", 1),
+                            ("check_every", 1), ("grow_chunk", 1)):
+            check_at_least(name, getattr(self, name), least)
+        if not 0 < self.top_p <= 1:
+            raise SettingError("top_p", f"{{name}} must be in (0, 1], got {self.top_p!r}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise SettingError("kv_memory_gb", f"{{name}} is the KV cache memory a batch may plan, in GiB: it must "
+                                               f"be > 0, got {self.kv_memory_gb!r}")
 
 
 @dataclass
 class RowStats:
     """Per-prompt statistics. KV token counts are per layer, summed over kv heads; bytes are
-    the cache's allocated bytes (K, V and per-token metadata) divided by the rows sharing it."""
+    the cache's allocated bytes (K, V and per-token metadata) divided by the rows sharing it.
+    ``peak_kv_tokens`` includes the prefill transient (a prompt held whole until its first
+    compression); ``steady_peak_kv_tokens`` counts only after the first compression (zeros if none):
+    the peaks a budget bounds."""
 
     prompt_tokens: int
     generated_tokens: int = 0
@@ -88,6 +96,7 @@ class RowStats:
     tokens_per_s: float = 0.0
     final_kv_tokens: list[int] = field(default_factory=list)
     peak_kv_tokens: list[int] = field(default_factory=list)
+    steady_peak_kv_tokens: list[int] = field(default_factory=list)
     peak_kv_bytes: int = 0
     compression_events: int = 0
 
@@ -113,6 +122,47 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------------- inputs
+def prompt_list(prompts) -> list[Prompt]:
+    """``prompts`` as a list of prompts: a bare string is one prompt; an item that is neither text
+    nor a list of chat messages is refused by its index (a ValueError)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) and not _is_chat(prompt):
+            hint = "; to pass one conversation, wrap it in a list: [messages]" if isinstance(prompt, dict) else ""
+            raise ValueError(f"prompts[{index}] must be text or a list of chat messages ({{'role': ..., "
+                             f"'content': ...}}), got {shown(prompt)}{hint}")
+    return prompts
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def context_length(model) -> int | None:
+    """The most positions ``model`` was built for (``max_position_embeddings``), or None if it says none."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def check_context(model, encoded: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse a prompt longer than the model's context (it would be read at positions the model was
+    never trained on, and its output is garbage); warn when the new tokens would run past it."""
+    limit = context_length(model)
+    if limit is None:
+        return
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    tokens = len(encoded[longest])
+    if tokens > limit:
+        raise InputError(f"prompt {longest} has {tokens} tokens, more than the model's context of {limit} "
+                         "(max_position_embeddings); shorten it")
+    if tokens + max_new_tokens > limit:
+        warnings.warn(f"prompt {longest} has {tokens} tokens: with max_new_tokens={max_new_tokens} its generation "
+                      f"may run past the model's context of {limit} tokens, where the text degrades", stacklevel=4)
+
+
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], config: GenerateConfig) -> list[list[int]]:
     """Token ids per prompt, through the chat template when the tokenizer has one."""
     use_template = config.chat_template and getattr(tokenizer, "chat_template", None)
@@ -206,11 +256,13 @@ class _Rows:
     def finish(self, session: DecodeSession, cache_rows: list[int], decode_start: float) -> None:
         """Fill in the statistics of the rows in ``cache_rows`` and hand them to ``on_finish``."""
         final, peak = session.row_kv_tokens(cache_rows)
+        steady = session.row_steady_peaks(cache_rows)
         decode_s = time.perf_counter() - decode_start - session.compile_s
-        for cache_row, final_tokens, peak_tokens in zip(cache_rows, final, peak):
+        for cache_row, final_tokens, peak_tokens, steady_tokens in zip(cache_rows, final, peak, steady):
             row = session.slots[cache_row]
             stat = self.stats[row]
             stat.final_kv_tokens, stat.peak_kv_tokens = final_tokens, peak_tokens
+            stat.steady_peak_kv_tokens = steady_tokens
             stat.peak_kv_bytes = session.peak_kv_bytes[row]
             stat.compression_events = session.compression_events[row]
             stat.generated_tokens = len(self.tokens[row])
@@ -241,6 +293,8 @@ def generate(
 ) -> GenerationResult:
     """Generate for a batch of prompts with a compressed KV cache.
 
+    ``prompts`` are texts or chat message lists (a bare string is one prompt); one longer than the
+    model's context (``max_position_embeddings``) is refused.
     ``policy`` defaults to no eviction.  ``on_token(row, new_token_ids)`` streams tokens as
     they are read back, every ``config.check_every`` steps (set it to 1 for token-by-token
     streaming; each read is a host sync).  ``on_finish(row, text, stats, settings)`` is called
@@ -252,9 +306,11 @@ def generate(
     policy = policy or Policy(scorer=None)
     config = config or GenerateConfig()
     check_supported(model)
+    prompts = prompt_list(prompts)
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
     encoded = encode_prompts(tokenizer, prompts, config)
+    check_context(model, encoded, config.max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, positions = left_pad(encoded, pad_id or 0, model.device)
     horizon = input_ids.shape[1] + config.max_new_tokens

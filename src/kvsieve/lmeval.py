@@ -121,6 +121,10 @@ class KVStats:
         }
 
 
+class ModelArgsError(ValueError):
+    """A ``--model_args`` value the ``kvsieve`` model cannot take (``main`` prints it as one line)."""
+
+
 def _ids_tokenizer(ids):
     """score_text's tokenizer contract (``tokenizer(text).input_ids``) for text that is already token ids."""
     return SimpleNamespace(input_ids=list(ids))
@@ -193,7 +197,10 @@ class KVSieveLM(TemplateLM):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
             log.info("no CUDA device: kvsieve runs on the CPU instead of --device %s", extra.pop("device"))
-        return cls(**arg_dict, **extra)
+        try:
+            return cls(**arg_dict, **extra)
+        except ValueError as err:  # a bad setting, an unknown argument or model name (ModelNotFoundError)
+            raise ModelArgsError(f"kvsieve --model_args: {err}") from None
 
     # ------------------------------------------------------------------ harness properties
     @property
@@ -462,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except ModelArgsError as err:  # one line, as for every other kvsieve command's usage errors
+        raise SystemExit(f"error: {err}") from None
     finally:
         sys.argv = saved
 

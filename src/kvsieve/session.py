@@ -167,6 +167,8 @@ class DecodeSession:
         self.compiled_steps = 0  # steps that ran the compiled function
         self.compression_events = [0] * batch_size  # per original row
         self.peak_tokens = torch.zeros(batch_size, self.num_layers, dtype=torch.long, device=self.device)
+        # the same after the first compression event: the steady state, without the prefill transient
+        self.steady_peak_tokens = torch.zeros_like(self.peak_tokens)
         self._step_peak: torch.Tensor | None = None  # [B_cache, L] live tokens before in-step evictions
         self.kv_bytes_trace: list[tuple[int, int]] = []  # (decode step, allocated bytes) at each change
         self.live_kv_trace: list[tuple[int, float]] = []  # (decode step, mean live tokens per row, layer, head)
@@ -360,6 +362,8 @@ class DecodeSession:
         if self._step_peak is not None:
             live = torch.maximum(live, self._step_peak)
         self.peak_tokens[self.rows] = torch.maximum(self.peak_tokens[self.rows], live)
+        if any(self.compression_events):  # every running row compresses at each event: all of them have
+            self.steady_peak_tokens[self.rows] = torch.maximum(self.steady_peak_tokens[self.rows], live)
 
     def _count_event(self) -> None:
         for slot in self.slots:
@@ -392,6 +396,12 @@ class DecodeSession:
         peak = self.peak_tokens[self.rows[index]]
         both = torch.stack([final, peak]).tolist()
         return both[0], both[1]
+
+    def row_steady_peaks(self, cache_rows: list[int]) -> list[list[int]]:
+        """Peak live tokens per layer of ``cache_rows`` after the batch's first compression (zeros
+        when it never compressed): the peaks the budget bounds, without the prefill transient.
+        Call after ``row_kv_tokens`` (which folds in the last peaks); one host read."""
+        return self.steady_peak_tokens[self.rows[torch.tensor(cache_rows, device=self.device)]].tolist()
 
 
 def _sync(device) -> None:

@@ -51,6 +51,7 @@ from typing import Sequence
 import torch
 
 from .cache import DEAD_POS
+from .checks import check_fields
 
 DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")  # App. A.1, newline delimiter set D
 KEYWORDS = ("Wait", "Alternatively", "again")  # App. A.1, non-executable keyword set N
@@ -134,6 +135,27 @@ class SteeringVector:
     fingerprint: dict
     settings: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        check_fields(self)
+        if not isinstance(self.vector, torch.Tensor) or self.vector.ndim != 1 or not self.vector.is_floating_point():
+            shape = tuple(self.vector.shape) if isinstance(self.vector, torch.Tensor) else type(self.vector).__name__
+            raise ValueError(f"a steering vector is one row of floats [hidden_size], got {shape}")
+        bad = int((~torch.isfinite(self.vector)).sum())
+        if bad:
+            raise ValueError(f"steering vector has {bad} of {self.vector.numel()} values that are not finite (nan "
+                             "or inf); rebuild it (kvsieve steering build)")
+
+    def fits(self, model) -> "SteeringVector":
+        """Refuse a vector whose length is not ``model``'s hidden size or whose layer it lacks; returns ``self``."""
+        config = model.config
+        if self.vector.numel() != config.hidden_size:
+            raise SteeringModelError(f"steering vector has {self.vector.numel()} values; the model's hidden size is "
+                                     f"{config.hidden_size}")
+        if not 0 <= self.layer < config.num_hidden_layers:
+            raise SteeringModelError(f"steering layer {self.layer} is outside the model's layers "
+                                     f"0..{config.num_hidden_layers - 1}")
+        return self
+
     def save(self, path: str | Path) -> None:
         torch.save({**asdict(self), "vector": self.vector.cpu()}, path)
 
@@ -160,7 +182,7 @@ class SteeringVector:
                 f"steering vector{where} was built for {self.model_name} {self.fingerprint}, not for "
                 f"{model_name(model)} {model_fingerprint(model)}; build one for this model "
                 "(kvsieve steering build --model ...)")
-        return self
+        return self.fits(model)
 
     @classmethod
     def load(cls, path: str | Path, model) -> "SteeringVector":
@@ -348,6 +370,7 @@ class Steering:
     delimiters: tuple[str, ...] = DELIMITERS
 
     def __post_init__(self):
+        check_fields(self)
         if self.positions not in ("all", "paragraph"):
             raise ValueError(f"steering positions must be 'all' or 'paragraph', got {self.positions!r}")
 
@@ -383,6 +406,7 @@ class Steering:
         """Install the pre-hook for one call; yield the loop's ``on_tokens(ids, query_pos, rows)``."""
         if self.vector.fingerprint != model_fingerprint(model):
             raise ValueError(f"steering vector for {self.vector.fingerprint} used on {model_fingerprint(model)}")
+        self.vector.fits(model)
         counter = OthersCounter(vocab_ids(tokenizer, self.delimiters).to(model.device),  # moved once, not per forward
                                 vocab_ids(tokenizer, self.keywords, strip=True).to(model.device))
         paragraph = vocab_ids(tokenizer, ["\n\n"], contains=True).to(model.device)

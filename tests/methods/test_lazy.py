@@ -356,7 +356,7 @@ def test_the_interval_is_w_at_every_budget_and_a_budget_below_2w_is_refused(W):
         message = str(err.value)
         assert "\n" not in message
         assert f"window W={W} needs budget >= 2W={2 * W}" in message and f"B={budget}" in message
-        assert f"raise --budget to {2 * W}" in message
+        assert f"raise budget= to {2 * W}" in message
         assert (f"set window={budget // 2}" in message) == (budget >= 2)
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_policy("lazy", budget=16, window=0)

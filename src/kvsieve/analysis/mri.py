@@ -20,7 +20,6 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -29,9 +28,9 @@ from ..generate import GenerateConfig, generate
 from ..methods._timestamps import resolve_alpha
 from ..methods.lazy import LazyEviction
 from ..policy import HostHooks, Needs, Policy, Scorer
+from .commands import PROMPT_FIELDS
+from .commands import register_mri as register  # noqa: F401  (kvsieve analyze mri)
 
-DEFAULT_DATASET = Path("/work/shared/data/gsm8k_train.jsonl")
-PROMPT_FIELDS = ("question", "problem", "prompt")  # GSM8K, MATH-500 / AIME24, AIME25
 PERCENTILE = 80.0  # App. C: W = the 80% MRI threshold
 
 
@@ -169,54 +168,3 @@ def analyze(model, tokenizer, prompts, out, max_new_tokens: int = 1024, alpha: f
     summary["png"] = str(png) if save_histogram(mri, summary["recommended_window"], png, title) else None
     out.write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def register(app) -> None:
-    """Add the ``analyze`` group with its ``mri`` command to a typer app."""
-    import typer
-    from rich.console import Console
-    from rich.table import Table
-
-    group = typer.Typer(help="Offline analyses that choose method settings.", no_args_is_help=True)
-
-    @group.command("mri")
-    def mri(
-        model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
-        dataset: Optional[Path] = typer.Option(None, help=f"JSONL with {'/'.join(PROMPT_FIELDS)} (default {DEFAULT_DATASET})."),
-        samples: int = typer.Option(20, help="Problems (Table 11: 20 GSM8K, 5 MATH-500, 2 AIME)."),
-        max_new_tokens: int = typer.Option(1024, help="New-token cap per problem."),
-        alpha: Optional[float] = typer.Option(None, help="Threshold (default: Table 10 value of the model family)."),
-        out: Path = typer.Option(Path("kvsieve-mri.json"), help="JSON that lazy window=auto reads; PNG beside it."),
-        seed: int = typer.Option(0, help="Seed of the random choice of problems."),
-        batch_size: int = typer.Option(1, help="Prompts generated together (faster; rows leave at their EOS)."),
-        device: str = typer.Option("auto"),
-        dtype: str = typer.Option("auto"),
-    ):
-        """Measure MRIs with a full cache and recommend LazyEviction's window W (80th percentile)."""
-        from .. import models
-
-        dataset = dataset or DEFAULT_DATASET
-        try:
-            prompts = load_prompts(dataset, samples, seed)
-        except (OSError, ValueError) as err:
-            raise typer.BadParameter(str(err)) from None
-        lm, tokenizer = models.load_model(model, device=device, dtype=dtype)
-        try:
-            s = analyze(lm, tokenizer, prompts, out, max_new_tokens, alpha,
-                        info={"model": model, "dataset": str(dataset), "batch_size": batch_size}, batch_size=batch_size)
-        except ValueError as err:
-            raise typer.BadParameter(str(err)) from None
-        table = Table(title=f"MRI of {s['tokens']:,} (layer, kv head, token) entries, {s['samples']} samples, alpha {s['alpha']:g}")
-        table.add_column("MRI")
-        table.add_column("% of re-activated tokens", justify="right")
-        for bucket, frac in s["buckets"].items():
-            table.add_row(bucket, f"{100 * frac:.1f}")
-        console = Console()
-        console.print(table)
-        console.print("quantiles: " + ", ".join(f"{k} {v}" for k, v in s["quantiles"].items()))
-        console.print(f"never re-activated: {100 * s['fraction_never_reactivated']:.1f}%, "
-                      f"MRI > 1: {100 * s['fraction_recurring']:.1f}%, mean generated {s['mean_generated_tokens']:.0f}")
-        console.print(f"[bold]recommended W = {s['recommended_window']}[/] (80th percentile); wrote {out}"
-                      + (f" and {s['png']}" if s["png"] else " (install matplotlib for the histogram)"))
-
-    app.add_typer(group, name="analyze")

@@ -44,6 +44,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .commands import register_retention as register  # noqa: F401  (kvsieve analyze retention)
+
 
 def _positions(x) -> np.ndarray:
     return np.unique(np.asarray(x, dtype=np.int64).reshape(-1))
@@ -178,50 +180,3 @@ def _read_rows(path: Path) -> list[dict]:
         return load_results(path)
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def register(app) -> None:
-    """Add ``retention`` to the app's existing ``analyze`` typer group."""
-    import typer
-    from rich.console import Console
-    from rich.table import Table
-
-    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
-    if group is None:
-        raise ValueError("retention.register: the app has no 'analyze' group; register kvsieve.analysis.mri first")
-
-    @group.command("retention")
-    def retention(
-        paths: list[Path] = typer.Argument(..., help="Trace .npz files and/or eval results (.jsonl or directory)."),
-        region: int = typer.Option(32, help="Region size in tokens for the wipe-out rate."),
-        max_gap: int = typer.Option(4, help="Largest gap inside one proxy segment."),
-        ngram: int = typer.Option(4, help="n of the n-gram repetition rate."),
-        generated_only: bool = typer.Option(False, help="Middle retention over the generated tokens only."),
-    ):
-        """Region wipe-out, retained-set IoU, proxy segments, middle retention and repetition per run."""
-        from .trace import Trace
-
-        table = Table(title="retention diagnostics (definitions: kvsieve.analysis.retention)")
-        for col in ("run", "method", "events", "wipe-out %", "IoU", "span IoU", "#segs", "seg len",
-                    "middle kept", f"{ngram}-gram rep. %", "gen. tokens"):
-            table.add_column(col)
-        fmt = lambda x, scale=1.0: "-" if x is None or np.isnan(x) else f"{scale * x:.3g}"  # noqa: E731
-        for path in paths:
-            if path.suffix == ".npz":
-                trace = Trace.load(path)
-                start = int(trace.meta.get("prompt_tokens", 0)) if generated_only else 0
-                s = trace_diagnostics(trace, region, max_gap, start)["summary"]
-                rep = ngram_repetition(str(trace.meta.get("text", "")).split(), ngram)
-                table.add_row(path.name, str(trace.meta.get("method", "?")), str(s["events"]),
-                              fmt(s["wipeout_rate"], 100), fmt(s["iou"]), fmt(s["span_iou"]), fmt(s["segments"]),
-                              fmt(s["segment_length"]), fmt(s["middle_retention"]), fmt(rep, 100),
-                              str(trace.meta.get("generated_tokens", "-")))
-                continue
-            try:
-                rows = _read_rows(path)
-            except (OSError, ValueError) as err:
-                raise typer.BadParameter(f"{path}: {err}") from None
-            for (method, budget), s in sorted(results_repetition(rows, ngram).items(), key=str):
-                table.add_row(path.name, f"{method} @ {budget}", "-", "-", "-", "-", "-", "-", "-",
-                              fmt(s["repetition"], 100), f"{s['generated_tokens']:.0f}")
-        Console().print(table)

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..checks import did_you_mean
 from .records import DataError, Record, read_hub, read_records
 from .sample import FileDataset, Sample
 from .sets import FILE_DATASETS
@@ -121,15 +122,18 @@ def load_dataset(name: str, path: str | os.PathLike | None = None, limit: int | 
         if options:
             raise DataError(f"data set {name!r} takes no options, got {sorted(options)}")
         spec = FILE_DATASETS[name]
-        rows, _ = _records(spec, path)
+        rows, source = _records(spec, path)
         samples = [spec.parse(record, index, seed) for index, record in enumerate(itertools.islice(rows, limit))]
+        if not samples:
+            raise DataError(f"{source} holds no rows of data set {name!r}: nothing to run")
     elif name in ("passkey", "needle"):
         opts = _options(RetrievalOptions, options, name)
         samples = (passkey if name == "passkey" else needle)(opts, seed)[:limit]
     elif name == "text":
         samples = text_chunks(None if path is None else str(path), _options(TextOptions, options, name))[:limit]
     else:
-        raise DataError(f"unknown data set {name!r}; choose one of: {', '.join(dataset_names())}")
+        raise DataError(f"unknown data set {name!r}{did_you_mean(name, dataset_names())}; choose one of: "
+                        f"{', '.join(dataset_names())}")
     _check_unique(samples, name)
     return samples
 

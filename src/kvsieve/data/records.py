@@ -7,6 +7,7 @@ Every loader reads rows as :class:`Record` so that a malformed row is reported a
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -53,24 +54,35 @@ class Record:
         return str(value).strip()
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of a data file; a DataError naming the file and line of the first byte that is not UTF-8."""
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {column}); "
+                        "save the file as UTF-8") from None
+
+
 def read_jsonl(path: Path) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            yield Record(row, str(path), line_no)
+    for line_no, line in enumerate(read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+        yield Record(row, str(path), line_no)
 
 
 def read_json(path: Path) -> Iterator[Record]:
     """A JSON file holding a list of objects; ``line`` is then the row's index + 1."""
     try:
-        rows = json.loads(Path(path).read_text(encoding="utf-8"))
+        rows = json.loads(read_text(path))
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
     if not isinstance(rows, list):
@@ -83,7 +95,7 @@ def read_json(path: Path) -> Iterator[Record]:
 
 def read_csv(path: Path) -> Iterator[Record]:
     """CSV with a header line; ``line`` is the line where the row starts."""
-    with open(path, encoding="utf-8", newline="") as f:
+    with io.StringIO(read_text(path), newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None:  # reads the header, so line_num counts from it
             raise DataError(f"{path}: empty CSV file (expected a header line)")

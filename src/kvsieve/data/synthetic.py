@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import templates
-from .records import DataError
+from .records import DataError, read_text
 from .sample import Sample
 
 CHARS_PER_TOKEN = 4  # rough size of an English token, to turn --context-tokens into characters
@@ -130,7 +130,7 @@ def _file_haystack(path: str, chars: int) -> str:
     file = Path(path)
     if not file.is_file():
         raise DataError(f"filler text file {file} does not exist")
-    text = " ".join(file.read_text(encoding="utf-8").split())
+    text = " ".join(read_text(file).split())
     if not text:
         raise DataError(f"filler text file {file} is empty")
     return (_repeat(text, chars) if len(text) < chars else text)[:chars]
@@ -159,7 +159,7 @@ def text_chunks(path: str | None, options: TextOptions) -> list[Sample]:
     file = Path(path)
     if not file.is_file():
         raise DataError(f"text file {file} does not exist")
-    words = file.read_text(encoding="utf-8").split()
+    words = read_text(file).split()
     if not words:
         raise DataError(f"text file {file} is empty")
     limit, samples, chunk, size = options.chunk_tokens * CHARS_PER_TOKEN, [], [], 0

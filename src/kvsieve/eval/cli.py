@@ -32,14 +32,52 @@ def _pairs(pairs: list[str], flag: str) -> dict:
     return out
 
 
-def _bad(fn, *args, **kwargs):
-    """Call ``fn`` turning user-input errors into a typer usage error that prints the message."""
-    from ..data import DataError
+def usage_error(err: ValueError, command=None, flags: dict[str, str] | None = None, settings_flag: str = "--set",
+                param_hint: str | None = None) -> typer.BadParameter:
+    """A typer usage error (one clean message, no traceback) for ``err``, in the command line's terms:
+    a ``SettingError`` names its setting by the flag that set it: ``flags[setting]`` (``eval`` takes
+    a budget by ``--budgets``; a setting given as ``--set interval=...`` is ``--set interval`` even
+    where ``--interval`` exists), else the option of that name of typer command function ``command``
+    (``max_new_tokens`` -> ``--max-new-tokens``), else ``settings_flag setting`` (``--set sinks``)."""
+    from ..checks import SettingError
 
+    if not isinstance(err, SettingError):
+        return typer.BadParameter(str(err), param_hint=param_hint)
+    flag = (flags or {}).get(err.setting) or option_flag(command, err.setting) or f"{settings_flag} {err.setting}"
+    return typer.BadParameter(err.in_terms(flag))
+
+
+def option_flag(command, name: str) -> str | None:
+    """The flag of parameter ``name`` of typer command function ``command`` (its declared long
+    name, else ``--`` + the name with dashes), or None when it has no such option."""
+    import inspect
+
+    param = inspect.signature(command).parameters.get(name) if command is not None else None
+    if param is None or not isinstance(param.default, typer.models.OptionInfo):
+        return None
+    declared = [d for d in param.default.param_decls or () if d.startswith("--")]
+    return declared[0].split("/")[0] if declared else "--" + name.replace("_", "-")
+
+
+EVAL_FLAGS = {"budget": "--budgets"}  # settings that eval takes by another flag than their name
+THREADS_HELP = "torch CPU threads (default: torch's choice); rows record the count they ran with."
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply ``--threads`` (typer has checked it is >= 1); None leaves torch's default."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _bad(fn, *args, **kwargs):
+    """Call ``fn`` turning user-input errors into a typer usage error that prints the message
+    (a setting named by its flag of ``eval``, the command that takes settings)."""
     try:
         return fn(*args, **kwargs)
-    except (ValueError, DataError) as err:
-        raise typer.BadParameter(str(err)) from None
+    except ValueError as err:  # DataError is one
+        raise usage_error(err, eval_command, flags=EVAL_FLAGS) from None
 
 
 def eval_command(
@@ -81,6 +119,7 @@ def eval_command(
         None, help="GPUs per Ray task (fractions share a GPU); default: 1 on a cluster with GPUs, else 0."),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
+    threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
     progress: bool = typer.Option(True, help="Progress bars with ETA per cell."),
     pin_commit: bool = typer.Option(False, "--pin-commit", help="Record the source's git commit in run.json and "
                                     "refuse rows from any other commit or from uncommitted changes."),
@@ -90,11 +129,12 @@ def eval_command(
     Steering (SkipKV Sec. 4.2): list a method twice, e.g. --methods skipkv,skipkv+steer --steering vec.pt,
     to get its rows without and with the steering vector side by side in one results directory.
     """
+    from ..checks import InputError, SettingError
     from ..steering import SteeringModelError
     from .config import EvalConfig, parse_list, parse_shard, split_settings, split_steer
     from .report import rich_table, summarize
-    from .runner import load_samples, make_cell_policy, run_grid
-    from .store import check_manifest, load_results
+    from .runner import check_run_manifest, load_samples, make_cell_policy, run_grid
+    from .store import load_results
 
     method_list = _bad(parse_list, methods, "--methods")
     if ray_gpus is not None and ray_gpus < 0:
@@ -108,20 +148,25 @@ def eval_command(
         device=device, dtype=dtype, steering=None if steering is None else str(steering),
         steering_settings=_pairs(steering_set, "--steering-set"), writer=writer,
         pin_commit=pin_commit)
-    # Everything the user can get wrong fails here, before the model loads (but a steering vector
-    # built for another model, found once it has loaded); other errors after this point are bugs
-    # and keep their traceback.
+    # Everything the user can get wrong fails here, before the model loads, but for what only the
+    # run can see (a steering vector built for another model, a results file whose writer is still
+    # running, an unknown model name, a prompt over the model's context, LagKV's budget fit:
+    # SteeringModelError, InputError, SettingError); other errors after this point are bugs and keep
+    # their traceback.
     for cell in config.cells():
         _bad(make_cell_policy, config, cell)
     samples = _bad(load_samples, config)
     if samples and samples[0].grader == "perplexity" and any(split_steer(m)[1] for m in config.methods):
         raise typer.BadParameter(f"steering applies to generation; data set {dataset!r} is scored by perplexity: "
                                  "drop the +steer methods")
-    _bad(check_manifest, config.out, config.result_fields())
+    _bad(check_run_manifest, config)
+    set_threads(threads)
     try:
         store = run_grid(config, progress=progress, use_ray=ray, ray_address=ray_address, ray_gpus=ray_gpus)
     except SteeringModelError as err:
         raise typer.BadParameter(str(err), param_hint="--steering") from None
+    except (InputError, SettingError) as err:  # what only the run can see (above)
+        raise usage_error(err, eval_command, flags=EVAL_FLAGS) from None
     console.print(rich_table(summarize(load_results(config.out)), title=f"{model} on {dataset}"))
     console.print(f"rows in {store.path}; write the report with: kvsieve report {config.out}")
 
@@ -193,9 +238,12 @@ def trace_command(
                        **_pairs(data_opt, "--data-opt"))  # the sample `kvsieve eval` runs with these
         if sample >= len(samples):
             raise typer.BadParameter(f"--sample {sample}: {dataset} has only {len(samples)} samples")
-        policy = _bad(make_policy, method, budget=budget, **_pairs(set_, "--set"))
+        try:
+            policy = make_policy(method, budget=budget, **_pairs(set_, "--set"))
+        except ValueError as err:
+            raise usage_error(err, trace_command) from None
         directory = out or Path("runs") / f"trace-{method}-{budget}"
-        lm, tokenizer = load_model(model, device=device, dtype=dtype)
+        lm, tokenizer = _bad(load_model, model, device=device, dtype=dtype)
         config = GenerateConfig(max_new_tokens=max_new_tokens)
         item = samples[sample]
         trace = record_trace(lm, tokenizer, item.messages, policy, config,

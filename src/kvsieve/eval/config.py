@@ -212,6 +212,14 @@ class EvalConfig:
         stray = set(self.settings) - set(self.methods)
         if stray:
             raise ValueError(f"settings given for method(s) {sorted(stray)} not in methods {list(self.methods)}")
+        self.generate_config()  # a decoding setting it refuses fails here, before any model loads
+
+    def generate_config(self):
+        """The ``GenerateConfig`` every generated row of the grid decodes with."""
+        from ..generate import GenerateConfig
+
+        return GenerateConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+                              prefill_chunk=self.prefill_chunk, compile=self.compile)
 
     def cells(self) -> list[Cell]:
         """``full`` first (the reference), then every method at every budget it takes (once without
@@ -242,6 +250,25 @@ class EvalConfig:
                 if split_steer(method)[1]:
                     fields["settings"][method] = {**fields["settings"][method], "steering": steering}
         return json.loads(json.dumps(fields, sort_keys=True))
+
+    def same_settings(self, label: str, before: dict[str, Any], now: dict[str, Any]) -> bool:
+        """Whether method ``label`` runs the same under ``before`` and ``now`` (its settings as
+        ``result_fields`` records them): the same steering, and the same policy settings at every
+        budget of this grid (``tova.sinks=0`` is TOVA's default, so it is no change)."""
+        from ..methods import make_policy
+
+        if before == now:
+            return True
+        if before.get("steering") != now.get("steering"):
+            return False
+        method = split_steer(label)[0]
+        budgets = [budget for cell_label, budget in self.cells() if cell_label == label] or [None]
+        own = [{k: v for k, v in settings.items() if k != "steering"} for settings in (before, now)]
+        try:
+            first, second = ([make_policy(method, budget=b, **s).settings() for b in budgets] for s in own)
+        except ValueError:  # settings that no longer build a policy are a change
+            return False
+        return first == second
 
     def steering_identity(self) -> dict[str, Any]:
         """What the steered rows were produced under: ``Steering.settings()`` (layer, strengths,

@@ -22,12 +22,18 @@ Definitions (every number is computed from the rows alone):
   shared equally by its rows), mean over samples;
 * tokens/s: generated tokens over decode time per sample (rows of a batch share the clock).
 * peak live/head: the most live KV tokens any layer held at once, per kv head (the row's
-  ``peak_kv_tokens`` is summed over kv heads), mean over samples;
-* bound: whether a budget held as a bound.  A row is over when its peak live tokens per kv head
-  exceed 1.5 x its bound: the budget, or budget + prompt tokens for a row whose settings protect
-  the prompt (``protect_prompt``); 1.5 x is the most the default schedule allows (interval capped
-  at budget // 2).  "OVER k/n" counts such rows; "unknown" when rows lack ``kv_heads`` (written
-  before rows carried it) and none is known to be over; "-" for a cell without a budget.
+  ``peak_kv_tokens`` is summed over kv heads), mean over samples; it includes the prefill
+  transient: a prompt longer than the budget is held whole until its first compression;
+* steady/head: the same after the first compression (``steady_peak_kv_tokens``), mean over the
+  samples that compressed: the peak the budget bounds;
+* bound: whether a budget held as a bound in the steady state.  A row is over when its peak live
+  tokens per kv head after its first compression exceed 1.5 x its bound: the budget, or budget +
+  prompt tokens for a row whose settings protect the prompt (``protect_prompt``); 1.5 x is the
+  most the default schedule allows (interval capped at budget // 2).  Rows written before rows
+  carried the steady peak are judged on their whole peak.  "OVER k/n" counts rows over; "ok";
+  "unknown" when rows lack ``kv_heads`` (written before rows carried it) and none is known to be
+  over; "-" for a cell without a budget.  "(prefill k/n)" after it counts the rows whose prefill
+  transient alone went over: the prompt, held before the first compression, not an overflow.
 * events: compression events per sample (mean), and the share of samples that compressed at
   least once; a bounded cell where no sample compressed is marked "never compressed".
 * perplexity (``text`` data set): exp(total NLL / total scored tokens) over the cell's chunks.
@@ -86,7 +92,9 @@ class CellSummary:
     peak_live_tokens_per_head: float | None = None
     compression_events: float | None = None
     compressed_share: float | None = None
-    over_bound: int | None = None  # rows whose peak live tokens per kv head exceed 1.5 x their bound
+    over_bound: int | None = None  # rows whose steady peak live tokens per kv head exceed 1.5 x their bound
+    prefill_over_bound: int | None = None  # rows over the bound in the prefill transient only
+    steady_live_tokens_per_head: float | None = None  # peak after the first compression, mean over rows
     bound_unknown: int | None = None  # rows that cannot be checked (no kv_heads recorded)
     lost: int | None = None  # paired with full: full right, this cell wrong
     gained: int | None = None  # full wrong, this cell right
@@ -125,13 +133,21 @@ def bound_of(row: dict[str, Any]) -> int | None:
     return budget + (row.get("prompt_tokens", 0) if settings.get("protect_prompt") else 0)
 
 
-def over_bound(row: dict[str, Any]) -> bool | None:
-    """True if the row's peak live tokens per kv head exceed ``OVER_BOUND`` x ``bound_of(row)``;
+def over_bound(row: dict[str, Any], peak: str = "steady_peak_kv_tokens") -> bool | None:
+    """True if the row's peak live tokens per kv head after its first compression (``peak``; rows
+    written before rows carried it: its whole peak) exceed ``OVER_BOUND`` x ``bound_of(row)``;
     None when that cannot be known (no budget, or no ``kv_heads``: never guessed)."""
     bound, heads = bound_of(row), row.get("kv_heads")
-    if bound is None or not heads or row.get("peak_kv_tokens") is None:
+    tokens = row.get(peak, row.get("peak_kv_tokens"))
+    if bound is None or not heads or tokens is None:
         return None
-    return row["peak_kv_tokens"] / heads > OVER_BOUND * bound
+    return tokens / heads > OVER_BOUND * bound
+
+
+def prefill_over_bound(row: dict[str, Any]) -> bool:
+    """True if only the row's prefill transient exceeds ``OVER_BOUND`` x its bound (its whole peak
+    does, its steady peak does not); False for rows without a steady peak recorded."""
+    return "steady_peak_kv_tokens" in row and over_bound(row, "peak_kv_tokens") is True and not over_bound(row)
 
 
 def shared_pairs(reference: dict[str, dict[str, Any]] | None, graded: list[dict[str, Any]]) -> list[tuple[bool, bool]]:
@@ -188,6 +204,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         gen = [r.get("generated_tokens", 0) for r in group]
         mib = [r.get("peak_kv_bytes", 0) / 2**20 for r in group]
         peaks = [r["peak_kv_tokens"] / r.get("kv_heads", 1) for r in group if r.get("peak_kv_tokens")]
+        steady = [r["steady_peak_kv_tokens"] / r.get("kv_heads", 1) for r in group if r.get("steady_peak_kv_tokens")]
         events = [r["compression_events"] for r in group if r.get("compression_events") is not None]
         flags = [over_bound(r) for r in group]
         out.append(CellSummary(
@@ -199,6 +216,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             compression_events=_mean(events) if events else None,
             compressed_share=sum(e > 0 for e in events) / len(events) if events else None,
             over_bound=None if key[1] is None else sum(f is True for f in flags),
+            prefill_over_bound=None if key[1] is None else sum(map(prefill_over_bound, group)),
+            steady_live_tokens_per_head=_mean(steady) if steady else None,
             bound_unknown=None if key[1] is None else sum(f is None for f in flags),
             lost=lost, gained=gained, paired_p=paired_p, random_lost=random_lost, random_gained=random_gained,
             random_p=random_p, prompt=prompt_fate(group)))
@@ -213,7 +232,8 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 COLUMNS = ("method", "budget", "prompt", "n", "accuracy", "95% CI", "retained", "vs full (p)", "vs random (p)",
-           "gen mean", "gen max", "KV compr.", "peak KV MiB", "peak live/head", "bound", "events", "tok/s")
+           "gen mean", "gen max", "KV compr.", "peak KV MiB", "peak live/head", "steady/head", "bound", "events",
+           "tok/s")
 _QUALITY = slice(4, 9)  # the accuracy columns, replaced by perplexity on a text grid
 
 
@@ -227,12 +247,14 @@ def _versus_full(s: CellSummary, missing: str) -> str:
 
 
 def bound_text(s: CellSummary) -> str:
-    """The bound column: "-" without a budget, "OVER k/n", "unknown" or "ok" (see the definitions)."""
+    """The bound column: "-" without a budget, "OVER k/n", "unknown" or "ok", then "(prefill k/n)"
+    for rows over in the prefill transient only (see the definitions)."""
     if s.over_bound is None:
         return "-"
+    transient = f" (prefill {s.prefill_over_bound}/{s.n})" if s.prefill_over_bound else ""
     if s.over_bound:
-        return f"OVER {s.over_bound}/{s.n}"
-    return "unknown" if s.bound_unknown else "ok"
+        return f"OVER {s.over_bound}/{s.n}{transient}"
+    return ("unknown" if s.bound_unknown else "ok") + transient
 
 
 def _compression_text(s: CellSummary) -> str:
@@ -261,7 +283,8 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             events = f"{s.compression_events:.1f} ({s.compressed_share:.0%})"
         rows.append((s.method, _fmt(s.budget, "d", "none"), s.prompt or "-", str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
                      str(s.max_generated_tokens), compression, _fmt(s.peak_kv_mib, ".2f"),
-                     _fmt(s.peak_live_tokens_per_head, ".0f"), bound_text(s), events, _fmt(s.tokens_per_s, ".1f")))
+                     _fmt(s.peak_live_tokens_per_head, ".0f"), _fmt(s.steady_live_tokens_per_head, ".0f"),
+                     bound_text(s), events, _fmt(s.tokens_per_s, ".1f")))
     return columns, rows
 
 

@@ -15,6 +15,7 @@ import time
 from contextlib import nullcontext
 from typing import Any, Callable, Iterable
 
+from ..checks import InputError
 from ..data import Sample, load_dataset
 from ..grading import grade
 from .config import Cell, EvalConfig, split_steer
@@ -84,7 +85,7 @@ def check_prompts(config: EvalConfig, samples: list[Sample], stored: dict[str, s
     under one id.  Rows written before rows carried ``prompt_sha256`` are not checked."""
     changed = [s.id for s in samples if s.id in stored and stored[s.id] != prompt_digest(s)]
     if changed:
-        raise ValueError(f"{config.out} has rows for sample(s) {', '.join(changed[:5])}"
+        raise InputError(f"{config.out} has rows for sample(s) {', '.join(changed[:5])}"
                          f"{' ...' if len(changed) > 5 else ''} whose prompt or reference has changed since "
                          "(data file, prompt template or generated data set); use another --out directory")
 
@@ -117,6 +118,7 @@ def _stat_fields(stat) -> dict[str, Any]:
     return {
         "prompt_tokens": stat.prompt_tokens, "generated_tokens": stat.generated_tokens,
         "finish_reason": stat.finish_reason, "peak_kv_tokens": max(stat.peak_kv_tokens, default=0),
+        "steady_peak_kv_tokens": max(stat.steady_peak_kv_tokens, default=0),
         "final_kv_tokens": max(stat.final_kv_tokens, default=0), "final_kv_tokens_mean": _layer_mean(stat.final_kv_tokens),
         "peak_kv_bytes": stat.peak_kv_bytes,
         "tokens_per_s": round(stat.tokens_per_s, 3), "prefill_s": round(stat.prefill_s, 4),
@@ -148,12 +150,11 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
             if on_row is not None:
                 on_row(rows[-1])
         return rows
-    from ..generate import GenerateConfig, generate
+    from ..generate import generate
 
     if steered and steering is None:
         steering = make_steering(config, model)
-    gen_config = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                seed=config.seed, prefill_chunk=config.prefill_chunk, compile=config.compile)
+    gen_config = config.generate_config()
     rows: dict[int, dict[str, Any]] = {}
 
     def finished(index: int, text: str, stat, settings: dict) -> None:
@@ -184,6 +185,12 @@ def _perplexity_row(model, tokenizer, config, cell, policy, sample: Sample, kv_h
             "batch_size": 1, "text": "", "extracted": None, "correct": None}
 
 
+def check_run_manifest(config: EvalConfig) -> None:
+    """Record the grid's settings in ``run.json``, or refuse to add rows produced under others
+    (``check_manifest``; settings typed differently that run each method the same are no change)."""
+    check_manifest(config.out, config.result_fields(), same=config.same_settings)
+
+
 def pending_work(config: EvalConfig, samples: list[Sample], done: set) -> list[tuple[Cell, list[Sample]]]:
     """(cell, samples to run) for every cell, ``full`` first; finished keys are left out."""
     return [(cell, [s for s in samples if (s.id, cell[0], cell[1]) not in done]) for cell in config.cells()]
@@ -209,7 +216,7 @@ def check_cell_settings(config: EvalConfig, cell_settings: dict[Cell, dict], wor
         keys = [k for k in now if k not in fitted and cell_settings[cell].get(k) != now[k]]
         changed += [f"{cell_label(cell)} {k}: {cell_settings[cell].get(k)!r} before, {now[k]!r} now" for k in keys]
     if changed:
-        raise ValueError(f"{config.out} has rows of cells whose method settings have changed since "
+        raise InputError(f"{config.out} has rows of cells whose method settings have changed since "
                          f"({'; '.join(changed)}); delete those cells' rows to rerun them under the new "
                          "settings, or use another --out directory")
 
@@ -243,7 +250,7 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
     each row is durably written.
     """
     samples = load_samples(config)
-    check_manifest(config.out, config.result_fields())
+    check_run_manifest(config)
     with ResultStore(config.out, config.results_name) as store:
         work = pending_work(config, samples, store.done)
         todo = sum(len(s) for _, s in work)

@@ -21,7 +21,9 @@ import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from ..checks import InputError
 
 try:
     import fcntl
@@ -64,7 +66,7 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
         except json.JSONDecodeError as err:
             if number == len(lines) and not line.endswith("\n"):
                 continue  # being written right now, or torn by a kill
-            raise ValueError(f"{path}:{number}: not a JSON row ({err.msg}); remove or fix that line") from None
+            raise InputError(f"{path}:{number}: not a JSON row ({err.msg}); remove or fix that line") from None
 
 
 def load_results(directory: str | os.PathLike) -> list[dict[str, Any]]:
@@ -105,14 +107,14 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def _take_lock(path: Path):
-    """An open lock file held exclusively for ``path``; ValueError if another process holds it."""
+    """An open lock file held exclusively for ``path``; InputError if another process holds it."""
     handle = open(path.with_name(f".{path.name}.lock"), "a")
     if fcntl is not None:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            raise ValueError(f"{path} is being written by another process (a kvsieve eval still running?); "
+            raise InputError(f"{path} is being written by another process (a kvsieve eval still running?); "
                              "wait for it to finish or stop it, or use another --out / --shard") from None
     return handle
 
@@ -172,11 +174,14 @@ class ResultStore:
         self.close()
 
 
-def check_manifest(directory: str | os.PathLike, fields: dict[str, Any]) -> None:
+def check_manifest(directory: str | os.PathLike, fields: dict[str, Any],
+                   same: Callable[[str, dict, dict], bool] | None = None) -> None:
     """Write ``run.json`` on the first run; on later runs refuse settings that would mix results.
 
     ``fields["settings"]`` maps method -> its settings: a method already in the manifest must
     keep its settings, a new method joins it (extending a grid with methods is fine).
+    ``same(method, before, now)`` says whether two settings the user typed differently run the
+    method the same (``tova.sinks=0`` where 0 is the default): those keep the manifest's record.
     """
     path = Path(directory) / MANIFEST
     merged = dict(fields)
@@ -185,12 +190,13 @@ def check_manifest(directory: str | os.PathLike, fields: dict[str, Any]) -> None
         differ = [f"{k}: {old.get(k)!r} before, {fields.get(k)!r} now" for k in sorted(set(old) | set(fields))
                   if k != "settings" and old.get(k) != fields.get(k)]
         old_settings, new_settings = old.get("settings") or {}, fields.get("settings") or {}
-        differ += [f"settings of {m}: {old_settings[m]!r} before, {new_settings[m]!r} now"
-                   for m in sorted(set(old_settings) & set(new_settings)) if old_settings[m] != new_settings[m]]
+        changed = [m for m in sorted(set(old_settings) & set(new_settings)) if old_settings[m] != new_settings[m]
+                   and not (same is not None and same(m, old_settings[m], new_settings[m]))]
+        differ += [f"settings of {m}: {old_settings[m]!r} before, {new_settings[m]!r} now" for m in changed]
         if differ:
-            raise ValueError(f"{directory} holds results produced under other settings ({'; '.join(differ)}); "
+            raise InputError(f"{directory} holds results produced under other settings ({'; '.join(differ)}); "
                              "use another --out directory or the same settings")
-        merged["settings"] = {**old_settings, **new_settings}
+        merged["settings"] = {**new_settings, **old_settings}  # an equivalent setting keeps its first record
         if merged == old:
             return
     Path(directory).mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 
 from ..allocators import ALLOCATORS, make_allocator
+from ..checks import check_kwargs, check_value, did_you_mean
 from ..policy import SCORERS, Policy, Scorer
 from ._wrapper import BASE_SETTINGS
 
@@ -48,18 +49,34 @@ def method_names() -> list[str]:
     return ["full", *sorted(SCORERS)]
 
 
+def unknown_method(name: str) -> ValueError:
+    """The error for a method name that is neither registered nor ``<wrapper>:<base>``: it suggests
+    the nearest name and lists the methods and the wrappers (a bare wrapper name asks for its base)."""
+    wrappers = ", ".join(f"{prefix}:<base>" for prefix in sorted(WRAPPERS))
+    if name in WRAPPERS:
+        return ValueError(f"method {name!r} wraps another method: name its base, e.g. {name}:tova ({name}:<base>)")
+    return ValueError(f"unknown method {name!r}{did_you_mean(name, [*method_names(), *WRAPPERS])}; choose one "
+                      f"of: {', '.join(method_names())}; or a wrapper: {wrappers}")
+
+
+def _wrapper(name: str) -> tuple[type, str]:
+    """``(wrapper class, base name)`` of ``"<prefix>:<base>"``, or an error naming the wrappers."""
+    prefix, base = name.split(":", 1)
+    if prefix not in WRAPPERS:
+        raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}{did_you_mean(prefix, WRAPPERS)}; "
+                         f"wrappers: {', '.join(sorted(WRAPPERS))}")
+    return WRAPPERS[prefix], base
+
+
 def takes_budget(name: str) -> bool:
     """Whether method ``name`` runs at a token budget (``lagkv`` may: its budget is mapped to
     (L, r)); raises the same error as ``make_policy`` for an unknown name."""
     if name == "full":
         return False
     if ":" in name:
-        prefix, base = name.split(":", 1)
-        if prefix not in WRAPPERS:
-            raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
-        return takes_budget(base)
+        return takes_budget(_wrapper(name)[1])
     if name not in SCORERS:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
+        raise unknown_method(name)
     needs = SCORERS[name].needs
     return needs.uses_budget or needs.fits_budget
 
@@ -75,12 +92,17 @@ def sizes_itself(name: str, settings: dict) -> bool:
 
 
 def make_policy(name: str, budget: int | None = None, allocator: str = "uniform", **settings) -> Policy:
-    """Build the policy called ``name``; errors name what is allowed."""
+    """Build the policy called ``name``; errors name what is allowed, and a setting of the wrong
+    type is refused by name before anything is built (``kvsieve.checks``)."""
+    check_value("name", name, str)
+    check_kwargs(Policy, {"budget": budget, **settings})
     if name == "full":
         return Policy(scorer=None)
     scorer = make_scorer(name, settings)  # takes the scorers' own settings out of ``settings``
     schedule_kw = {k: v for k, v in settings.items() if k in SCHEDULE_FIELDS}
     alloc_kw = {k[len("allocator_"):]: v for k, v in settings.items() if k.startswith("allocator_")}
+    if allocator in ALLOCATORS:
+        check_kwargs(ALLOCATORS[allocator], alloc_kw, prefix="allocator_")
     return Policy(scorer=scorer, budget=budget, allocator=make_allocator(allocator, **alloc_kw), **schedule_kw)
 
 
@@ -89,15 +111,13 @@ def make_scorer(name: str, settings: dict) -> Scorer:
     ``<prefix>:<base>``: the wrapper's own fields go to it, every other setting to the base, and
     the wrapper derives its records from the base's (``WrappingScorer.wrap``)."""
     if ":" in name:
-        prefix, base = name.split(":", 1)
-        if prefix not in WRAPPERS:
-            raise ValueError(f"unknown method wrapper {prefix!r} in {name!r}; wrappers: {', '.join(sorted(WRAPPERS))}")
-        cls = WRAPPERS[prefix]
+        cls, base = _wrapper(name)
         own = {f.name for f in dataclasses.fields(cls) if f.init} - {BASE_SETTINGS}  # a report, never set
         wrapper_kw = {k: settings.pop(k) for k in list(settings) if k in own}
+        check_kwargs(cls, wrapper_kw)
         return cls(make_scorer(base, settings), **wrapper_kw)
     if name not in SCORERS:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
+        raise unknown_method(name)
     cls = SCORERS[name]
     scorer_fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = {k for k in settings if k not in scorer_fields and k not in SCHEDULE_FIELDS
@@ -105,9 +125,10 @@ def make_scorer(name: str, settings: dict) -> Scorer:
     if unknown:
         allowed = sorted(scorer_fields | set(SCHEDULE_FIELDS))
         raise ValueError(f"unknown setting(s) {sorted(unknown)} for {name!r}; allowed: {allowed} or allocator_*")
+    own = {k: settings[k] if k in SCHEDULE_FIELDS else settings.pop(k) for k in list(settings) if k in scorer_fields}
+    check_kwargs(cls, own)
     # a field named like a schedule setting (expected's and lagkv's ``sinks``) is shared with the policy
-    return cls(**{k: settings[k] if k in SCHEDULE_FIELDS else settings.pop(k) for k in list(settings)
-                  if k in scorer_fields})
+    return cls(**own)
 
 
 def describe_methods() -> list[dict]:

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..checks import SettingError
 from ..policy import About, Defaults, Feed, Needs, Scorer, check_choice, register
 from ._lag import DueTable, find_tail, gather_partitions, lag_score, to_slots
 
@@ -210,8 +211,8 @@ class LagKV(Scorer):
         budget that fits when none within ``budget`` does."""
         S = self.sinks
         if budget - S < 4:
-            raise ValueError(f"{self.name}: budget {budget} leaves no room after {S} sinks; "
-                             f"raise --budget to at least {S + 4} or lower sinks")
+            raise SettingError("budget", f"{self.name}: budget {budget} leaves no room after {S} sinks; "
+                                         f"raise {{name}} to at least {S + 4} or lower sinks")
         over = f"budget {budget}, horizon {horizon} tokens, S={S}"
         if horizon <= budget:  # step 1 (kvsieve's: r = 1 is no compression, outside the grid but exact)
             return replace(self, ratio=1.0, fit_note=f"{over}: the horizon fits, nothing has to go (r = 1)")
@@ -246,15 +247,15 @@ class LagKV(Scorer):
         # step 4: nothing fits; name the smallest budget that does at this horizon
         if not self.off_grid:
             least_grid = min(horizon, min(g[1] for g in grid))
-            raise ValueError(
-                f"{self.name}: budget {budget} at horizon {horizon} fits no setting of the paper's grid (Sec. 3.1, "
-                f"S={S}); the smallest budget that fits is {least_grid}; raise --budget, or set off_grid=true "
-                "to fit L and r outside the grid")
+            raise SettingError(
+                "budget", f"{self.name}: budget {budget} at horizon {horizon} fits no setting of the paper's grid "
+                f"(Sec. 3.1, S={S}); the smallest budget that fits is {least_grid}; raise {{name}}, or set "
+                "off_grid=true to fit L and r outside the grid")
         least_any = min(horizon, min(peak(L, 1) for L in range(2, (horizon - S) // 2 + 1)))
-        raise ValueError(
-            f"{self.name}: budget {budget} at horizon {horizon} fits no setting even off the paper's grid (one token "
-            f"kept per partition at least, S={S}); the smallest budget that fits is {least_any}; raise --budget "
-            "or generate fewer tokens")
+        raise SettingError(
+            "budget", f"{self.name}: budget {budget} at horizon {horizon} fits no setting even off the paper's grid "
+            f"(one token kept per partition at least, S={S}); the smallest budget that fits is {least_any}; raise "
+            "{name} or generate fewer tokens")
 
     def _off_grid_fits(self, budget: int, peak) -> list[tuple[int, int, int]]:
         """Step 3's candidates (k, peak, L): every L whose first compression fits (S + 2L <= B)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..checks import SettingError
 from ..policy import HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, register
 from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, prefill_timestamps, resolve_alpha
 
@@ -231,9 +232,9 @@ class LazyEviction(Scorer):
         # own schedule (caote:lazy evicts every step) and how a run varies the schedule alone
         if budget is not None and budget < 2 * self.window:
             lower = f" or set window={budget // 2}" if budget >= 2 else ""
-            raise ValueError(f"lazy: window W={self.window} needs budget >= 2W={2 * self.window} so the interval "
-                             f"stays W (Alg. 1 line 8) and the cache peaks at B + W <= 1.5 B; got budget B={budget}: "
-                             f"raise --budget to {2 * self.window}{lower}")
+            raise SettingError("budget", f"lazy: window W={self.window} needs budget >= 2W={2 * self.window} so the "
+                               f"interval stays W (Alg. 1 line 8) and the cache peaks at B + W <= 1.5 B; got budget "
+                               f"B={budget}: raise {{name}} to {2 * self.window}{lower}")
         return self.window
 
     def window_recent(self, budget: int) -> int:

@@ -1,0 +1,116 @@
+"""The command lines of ``kvsieve analyze mri`` and ``analyze retention``.
+
+They live apart from ``kvsieve.analysis.mri`` and ``.retention`` (which re-export them as their
+``register``) so that registering them imports neither torch nor numpy: ``kvsieve --help`` and
+``--version`` start in well under 2 s; each command imports its module when it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_DATASET = Path("/work/shared/data/gsm8k_train.jsonl")
+PROMPT_FIELDS = ("question", "problem", "prompt")  # GSM8K, MATH-500 / AIME24, AIME25
+
+
+def register_mri(app) -> None:
+    """Add the ``analyze`` group with its ``mri`` command to a typer app."""
+    import typer
+    from rich.console import Console
+    from rich.table import Table
+
+    group = typer.Typer(help="Offline analyses that choose method settings.", no_args_is_help=True)
+
+    @group.command("mri")
+    def mri(
+        model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
+        dataset: Optional[Path] = typer.Option(None, help=f"JSONL with {'/'.join(PROMPT_FIELDS)} (default {DEFAULT_DATASET})."),
+        samples: int = typer.Option(20, help="Problems (Table 11: 20 GSM8K, 5 MATH-500, 2 AIME)."),
+        max_new_tokens: int = typer.Option(1024, help="New-token cap per problem."),
+        alpha: Optional[float] = typer.Option(None, help="Threshold (default: Table 10 value of the model family)."),
+        out: Path = typer.Option(Path("kvsieve-mri.json"), help="JSON that lazy window=auto reads; PNG beside it."),
+        seed: int = typer.Option(0, help="Seed of the random choice of problems."),
+        batch_size: int = typer.Option(1, help="Prompts generated together (faster; rows leave at their EOS)."),
+        device: str = typer.Option("auto"),
+        dtype: str = typer.Option("auto"),
+    ):
+        """Measure MRIs with a full cache and recommend LazyEviction's window W (80th percentile)."""
+        from .. import models
+        from .mri import analyze, load_prompts
+
+        dataset = dataset or DEFAULT_DATASET
+        try:
+            prompts = load_prompts(dataset, samples, seed)
+        except (OSError, ValueError) as err:
+            raise typer.BadParameter(str(err)) from None
+        lm, tokenizer = models.load_model(model, device=device, dtype=dtype)
+        try:
+            s = analyze(lm, tokenizer, prompts, out, max_new_tokens, alpha,
+                        info={"model": model, "dataset": str(dataset), "batch_size": batch_size}, batch_size=batch_size)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        table = Table(title=f"MRI of {s['tokens']:,} (layer, kv head, token) entries, {s['samples']} samples, alpha {s['alpha']:g}")
+        table.add_column("MRI")
+        table.add_column("% of re-activated tokens", justify="right")
+        for bucket, frac in s["buckets"].items():
+            table.add_row(bucket, f"{100 * frac:.1f}")
+        console = Console()
+        console.print(table)
+        console.print("quantiles: " + ", ".join(f"{k} {v}" for k, v in s["quantiles"].items()))
+        console.print(f"never re-activated: {100 * s['fraction_never_reactivated']:.1f}%, "
+                      f"MRI > 1: {100 * s['fraction_recurring']:.1f}%, mean generated {s['mean_generated_tokens']:.0f}")
+        console.print(f"[bold]recommended W = {s['recommended_window']}[/] (80th percentile); wrote {out}"
+                      + (f" and {s['png']}" if s["png"] else " (install matplotlib for the histogram)"))
+
+    app.add_typer(group, name="analyze")
+
+
+def register_retention(app) -> None:
+    """Add ``retention`` to the app's existing ``analyze`` typer group."""
+    import typer
+    from rich.console import Console
+    from rich.table import Table
+
+    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
+    if group is None:
+        raise ValueError("retention.register: the app has no 'analyze' group; register kvsieve.analysis.mri first")
+
+    @group.command("retention")
+    def retention(
+        paths: list[Path] = typer.Argument(..., help="Trace .npz files and/or eval results (.jsonl or directory)."),
+        region: int = typer.Option(32, help="Region size in tokens for the wipe-out rate."),
+        max_gap: int = typer.Option(4, help="Largest gap inside one proxy segment."),
+        ngram: int = typer.Option(4, help="n of the n-gram repetition rate."),
+        generated_only: bool = typer.Option(False, help="Middle retention over the generated tokens only."),
+    ):
+        """Region wipe-out, retained-set IoU, proxy segments, middle retention and repetition per run."""
+        import numpy as np
+
+        from .retention import _read_rows, ngram_repetition, results_repetition, trace_diagnostics
+        from .trace import Trace
+
+        table = Table(title="retention diagnostics (definitions: kvsieve.analysis.retention)")
+        for col in ("run", "method", "events", "wipe-out %", "IoU", "span IoU", "#segs", "seg len",
+                    "middle kept", f"{ngram}-gram rep. %", "gen. tokens"):
+            table.add_column(col)
+        fmt = lambda x, scale=1.0: "-" if x is None or np.isnan(x) else f"{scale * x:.3g}"  # noqa: E731
+        for path in paths:
+            if path.suffix == ".npz":
+                trace = Trace.load(path)
+                start = int(trace.meta.get("prompt_tokens", 0)) if generated_only else 0
+                s = trace_diagnostics(trace, region, max_gap, start)["summary"]
+                rep = ngram_repetition(str(trace.meta.get("text", "")).split(), ngram)
+                table.add_row(path.name, str(trace.meta.get("method", "?")), str(s["events"]),
+                              fmt(s["wipeout_rate"], 100), fmt(s["iou"]), fmt(s["span_iou"]), fmt(s["segments"]),
+                              fmt(s["segment_length"]), fmt(s["middle_retention"]), fmt(rep, 100),
+                              str(trace.meta.get("generated_tokens", "-")))
+                continue
+            try:
+                rows = _read_rows(path)
+            except (OSError, ValueError) as err:
+                raise typer.BadParameter(f"{path}: {err}") from None
+            for (method, budget), s in sorted(results_repetition(rows, ngram).items(), key=str):
+                table.add_row(path.name, f"{method} @ {budget}", "-", "-", "-", "-", "-", "-", "-",
+                              fmt(s["repetition"], 100), f"{s['generated_tokens']:.0f}")
+        Console().print(table)
