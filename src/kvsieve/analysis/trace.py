@@ -1,7 +1,7 @@
 """Eviction traces: which positions each kv head kept at every compression, and a heatmap of them.
 
 Opt-in and outside the engine: ``TraceRecorder.wrap(policy)`` returns a policy whose scorer
-delegates everything to the real scorer and, when a layer is compressed, reads the positions
+hands every hook to the real scorer and, when a layer is compressed, reads the positions
 the layer holds afterwards (``layer.meta["pos"]``).  A compaction happens right after the
 scorer's ``select``; the recorder reads the result at its next call from the engine (or in
 ``finish``), keeping only positions below the row's ``seen_tokens`` at the compression, so
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policy import HostHooks, Policy
+from ..policy import HostHooks, Policy, Scorer
 
 
 @dataclass
@@ -154,22 +154,31 @@ class _Recording:
         self.pending.clear()
 
 
-class TracingScorer:
-    """Delegates every attribute to ``inner``; notes each layer it sees and each compression."""
+@dataclass
+class TracingScorer(Scorer):
+    """The scorer ``inner`` with every hook of the ``Scorer`` contract handed on to it; notes each
+    layer the engine asks about and each compression.
 
-    def __init__(self, inner, recording: _Recording):
-        self.inner, self._recording = inner, recording
+    Its records are ``inner``'s (``needs``, ``defaults``, ``name``), so the engine runs ``inner``
+    exactly as without the recorder; it has no hyperparameters of its own (no init field), and
+    ``record_trace`` stores the unwrapped policy's settings.
+    """
 
-    def __getattr__(self, name):  # fields, class flags, score, query_window, __dataclass_fields__, ...
-        if name in ("inner", "_recording"):  # not set yet (copy, pickle): no endless recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    inner: Scorer = field(init=False, repr=False, compare=False)
+    recording: "_Recording" = field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def around(cls, inner: Scorer, recording: "_Recording") -> "TracingScorer":
+        tracing = cls()
+        tracing.inner, tracing.recording = inner, recording
+        tracing.name, tracing.about, tracing.needs, tracing.defaults = inner.name, inner.about, inner.needs, inner.defaults
+        return tracing
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):
         """The inner scorer's per-call hook, plus a callback that follows which prompt each cache
         row holds (``rows`` of ``Scorer.attach``'s callback) and reads what is due."""
-        rec = self._recording
+        rec = self.recording
         if rec.attached:
             raise ValueError("a TraceRecorder records one generate call: call recorder.finish() before "
                              "generating again with the policy it wrapped (or wrap the policy again)")
@@ -192,19 +201,26 @@ class TracingScorer:
             yield HostHooks(on_tokens=on_tokens, on_rows_leave=on_rows_leave)
 
     def should_compress(self, layer, budget):
-        self._recording.flush()
-        self._recording.number(layer)
+        self.recording.flush()
+        self.recording.number(layer)
         return self.inner.should_compress(layer, budget)
 
     def observe(self, layer, probs, query_pos):
-        self._recording.flush()
+        self.recording.flush()
         return self.inner.observe(layer, probs, query_pos)
 
+    def score(self, layer, seen_tokens):
+        return self.inner.score(layer, seen_tokens)
+
     def select(self, layer, scores, budget, seen_tokens):
-        self._recording.flush()
+        self.recording.flush()
         chosen = self.inner.select(layer, scores, budget, seen_tokens)
-        self._recording.compressed(layer, seen_tokens)
+        self.recording.compressed(layer, seen_tokens)
         return chosen
+
+    def fit_budget(self, budget, horizon, feed):
+        """The fitted inner scorer, still traced (LagKV at a budget)."""
+        return TracingScorer.around(self.inner.fit_budget(budget, horizon, feed), self.recording)
 
 
 class TraceRecorder:
@@ -218,20 +234,20 @@ class TraceRecorder:
     """
 
     def __init__(self):
-        self._recording = _Recording(Trace())
+        self.recording = _Recording(Trace())
 
     def wrap(self, policy: Policy) -> Policy:
         if policy.scorer is None:
             raise ValueError("method 'full' evicts nothing: trace a method with a budget")
-        return replace(policy, scorer=TracingScorer(policy.scorer, self._recording))
+        return replace(policy, scorer=TracingScorer.around(policy.scorer, self.recording))
 
     def finish(self, meta: dict[str, Any] | None = None) -> Trace:
         """Read what is still due and return the trace (the recorder starts a new one)."""
-        self._recording.flush()
-        trace = self._recording.trace
+        self.recording.flush()
+        trace = self.recording.trace
         trace.meta.update(meta or {})
-        trace.meta.setdefault("layers", len(self._recording.layers))
-        self._recording = _Recording(Trace())
+        trace.meta.setdefault("layers", len(self.recording.layers))
+        self.recording = _Recording(Trace())
         return trace
 
 
