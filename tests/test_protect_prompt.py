@@ -12,7 +12,7 @@ from kvsieve import GenerateConfig, generate, make_policy
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import SCORERS, WRAPPERS, describe_methods
 from kvsieve.policy import drop_dead_layer
-from kvsieve.schedule import Schedule
+from kvsieve.policy import Schedule
 
 SHORT = "What is 7 times 8?"
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "

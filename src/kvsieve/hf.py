@@ -40,8 +40,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, check_supported, set_scheduled_step
 from .cache import DEAD_POS, SieveCache, serve_for_model
-from .policy import Policy
-from .schedule import Schedule
+from .policy import Policy, Schedule
 
 _NO_REORDER = ("kvsieve caches keep per-row eviction state and cannot reorder, crop or copy rows, which beam "
                "search, assisted decoding and contrastive search need: use num_beams=1 without an assistant "

@@ -38,8 +38,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, cache_kwarg_name, check_supported
 from .cache import DEAD_POS, SieveCache
-from .policy import HostHooks, Policy, evict_in_place
-from .schedule import Schedule
+from .policy import HostHooks, Policy, Schedule, evict_in_place
 
 # Full caches in a compiled session are allocated to a multiple of this many slots, so prompts
 # whose length differs by less than the bucket share one compiled graph.

@@ -21,7 +21,7 @@ from kvsieve.eval.perplexity import score_text
 from kvsieve.methods import make_policy
 from kvsieve.methods.lagkv import LagKV, peak_tokens, scheduled_peak
 from kvsieve.policy import Feed, compress_layer, drop_dead_layer
-from kvsieve.schedule import Schedule
+from kvsieve.policy import Schedule
 from kvsieve.random_models import ByteTokenizer
 
 H, D = 2, 3

@@ -15,7 +15,7 @@ from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import make_policy
 from kvsieve.methods.lazy import LazyEviction, h1_score, h2_score, importance
 from kvsieve.policy import compress_layer
-from kvsieve.schedule import Schedule
+from kvsieve.policy import Schedule
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
 MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "
