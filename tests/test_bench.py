@@ -8,7 +8,7 @@ import pytest
 
 from kvsieve import make_policy
 from kvsieve.attention import ATTN_IMPLEMENTATION
-from kvsieve.bench.overhead import append_random, filled_session, lag_steady_state, lag_tokens_until_due, time_method
+from kvsieve.bench.overhead import filled_session, lag_steady_state, lag_tokens_until_due, time_method
 
 
 @pytest.fixture()
@@ -20,19 +20,34 @@ def model(smollm):
     model.set_attn_implementation(previous)
 
 
-def test_filled_session_holds_length_tokens_at_the_given_positions_and_append_adds_more(model):
-    policy = make_policy("snapkv", budget=96)
-    cache = filled_session(model, policy, batch=2, length=96, steps=4, first_pos=100).cache
+def test_filled_session_is_prefilled_through_the_session_and_decoding_adds_more(model):
+    """The bench cache is a real prompt's: every position 0..95 live in every layer, real queries
+    recorded for the scorer, the prompt counted as seen; untimed decode steps add tokens."""
+    from kvsieve.bench.overhead import decode_untimed
+
+    session = filled_session(model, make_policy("snapkv", budget=96, protect_prompt=False), batch=2, length=96, steps=4)
+    cache = session.cache
     layer = cache.layers[0]
     assert layer.live().sum(-1).tolist() == [[96] * 3] * 2
-    assert sorted(layer.meta["pos"][0, 0][layer.live()[0, 0]].tolist()) == list(range(100, 196))
-    assert cache.seen_tokens.tolist() == [196, 196]
-    append_random(model, cache, 5)
+    assert sorted(layer.meta["pos"][0, 0][layer.live()[0, 0]].tolist()) == list(range(96))
+    assert cache.seen_tokens.tolist() == [96, 96] and layer.recent_queries is not None
+    decode_untimed(session, 5)
     assert all(l.live().sum(-1).eq(101).all() for l in cache.layers)
-    assert cache.seen_tokens.tolist() == [201, 201]
+    assert cache.seen_tokens.tolist() == [101, 101]
 
 
-@pytest.mark.parametrize("method", ["full", "tova", "snapkv"])
+def test_a_method_that_protects_its_prompt_is_timed_compressing(model):
+    """rkv keeps its prompt by default; the bench's filled tokens stand for generated ones, so its
+    timed compression must actually evict (before, the protected fill was never compressed)."""
+    from kvsieve.bench.overhead import _Timed
+
+    timed = _Timed(model, "rkv", batch=1, length=160, steps=2, budget=96)
+    assert timed.policy.protect_prompt is False and timed.interval > 1
+    timed.compression()
+    assert int(timed.session.cache.layers[0].live().sum(-1).max()) == 96
+
+
+@pytest.mark.parametrize("method", ["full", "tova", pytest.param("snapkv", marks=pytest.mark.slow)])  # snapkv: decodes its interval untimed
 def test_time_method_gives_finite_paired_step_times_for_every_step_and_interval_methods(model, method):
     ours, full = time_method(model, method, batch=1, length=96, steps=2)
     assert 0 < ours < 60 and 0 < full < 60
@@ -42,16 +57,18 @@ def test_time_method_gives_finite_paired_step_times_for_every_step_and_interval_
     assert 0 < ours < 60 and 0 < full < 60
 
 
+@pytest.mark.slow  # prefills LagKV's steady state and decodes two partitions untimed: about a minute
 def test_lagkv_timing_compresses_one_partition_per_charged_compression(model):
     from kvsieve.bench.overhead import _Timed
 
     timed = _Timed(model, "lagkv", batch=1, length=200, steps=2, budget=None)
-    assert timed.interval == 128 and timed.seen == lag_steady_state(timed.policy.scorer, 200)
+    assert timed.interval == 128 and timed.filled == lag_steady_state(timed.policy.scorer, 200)
+    assert int(timed.session.cache.layers[0].live().sum(-1).max()) == 200  # the prompt's own compression
     before = int(timed.session.cache.layers[0].live().sum(-1).max())
     seconds = timed.compression()  # twice: up to the due partition, then L more; each drops L - k
     live = int(timed.session.cache.layers[-1].live().sum(-1).max())
     seen = int(timed.session.cache.seen_tokens[0])
-    assert 0 < seconds < 60 and live == before + (seen - timed.seen) - 2 * (128 - 32)
+    assert 0 < seconds < 60 and live == before + (seen - timed.filled) - 2 * (128 - 32)
     ours, full = time_method(model, "lagkv", batch=1, length=200, steps=2)
     assert 0 < ours < 60 and 0 < full < 60
 

@@ -2,10 +2,11 @@
 same live cache length, so the ratio isolates scoring + compaction (and, for methods that
 observe attention every step, the explicit attention rows they need).
 
-The cache of every layer is filled with ``length`` random post-RoPE keys/values (decode speed
-does not depend on their values); each timed step runs one real forward pass of the model on
-one token per row, then the policy's compression (its budget is ``length``, so every step
-evicts exactly what the step appended; methods compressing every ``interval`` steps are
+Every cache is filled through a decode session, as ``generate`` fills it: a prompt of ``length``
+random token ids (decode speed does not depend on which), prefilled (``filled_session``), with the
+prompt competing for the budget as generated tokens do; each timed step runs one real forward pass
+of the model on one token per row, then the policy's compression (its budget is ``length``, so
+every step evicts exactly what the step appended; methods compressing every ``interval`` steps are
 charged one timed compression over ``interval`` steps, see ``time_method``). ``full`` runs the same
 forward pass over the same length without compressing, step for step with the method (paired,
 alternating which goes first), and each figure is a median over steps, so a shared machine's
@@ -32,7 +33,6 @@ import torch
 
 from kvsieve import make_policy
 from kvsieve.attention import ATTN_IMPLEMENTATION
-from kvsieve.cache import SieveCache
 from kvsieve.bench.common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, write
 from kvsieve.methods import method_names
 from kvsieve.policy import SCORERS
@@ -44,45 +44,27 @@ from kvsieve.session import DecodeSession
 PAPER_WRAPPED = ("caote:tova", "fastcaote:tova", "caote:h2o", "ams:tova", "ams:expected", "ams:rkv")
 
 
-def filled_session(model, policy, batch: int, length: int, steps: int, first_pos: int = 0,
-                   compile: bool = False) -> DecodeSession:
-    """A decode session whose every layer holds ``length`` random tokens at positions
-    ``first_pos`` onwards, allocated once for the whole timed run (a bounded policy at budget +
-    interval, ``full`` at length + steps) so no step pays a growth."""
-    cfg = model.config
-    scorer = policy.scorer
-    session = DecodeSession(model, policy, batch_size=batch, horizon=length + max(steps + 2, policy.interval or 0),
+def filled_session(model, policy, batch: int, length: int, steps: int, compile: bool = False) -> DecodeSession:
+    """A decode session whose every layer holds the prompt of ``length`` random token ids, filled
+    through the session itself (``DecodeSession.prefill``: real K/V, positions 0 .. length - 1,
+    recent queries, scaling and the end-of-prompt schedule), with room for ``steps`` more tokens
+    and one compression interval, so no timed step pays a growth.  A policy at budget ``length``
+    keeps every token; a self-sizing one (LagKV) compresses the prompt into its partitions."""
+    interval = policy.interval if policy.scorer is not None else 1
+    session = DecodeSession(model, policy, batch_size=batch, horizon=length + 2 * max(steps + 2, interval),
                             compile=compile)
-    cache = session.cache
-    cache.seen_tokens = torch.full((batch,), first_pos, dtype=torch.long, device=model.device)
-    append_random(model, cache, length)
-    pos = torch.arange(first_pos, first_pos + length, device=model.device).expand(batch, length)
-    g = torch.Generator(device=model.device).manual_seed(0)
-    D = cache.layers[0].keys.shape[-1]
-    for layer in cache.layers:
-        layer.reserve(layer.capacity_hint)
-        if layer.query_window:
-            w = min(layer.query_window, length)
-            layer.remember_queries(torch.randn(batch, cfg.num_attention_heads, w, D, generator=g,
-                                               device=model.device, dtype=model.dtype), pos[:, -w:])
-        layer.scaling = D ** -0.5
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (batch, length), generator=g).to(model.device)
+    session.prefill(ids, torch.arange(length, device=model.device).expand(batch, length))
     return session
 
 
-def append_random(model, cache: SieveCache, count: int) -> None:
-    """Append ``count`` random tokens to every layer (untimed), as if ``count`` steps had run
-    (rows and positions come from ``cache.seen_tokens``)."""
-    cfg = model.config
-    H = cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    B = cache.seen_tokens.shape[0]
-    pos = cache.seen_tokens[:, None] + torch.arange(count, device=model.device)
-    g = torch.Generator(device=model.device).manual_seed(1)
-    for layer in cache.layers:
-        cache.begin_step(pos)
-        kv = torch.randn(2, B, H, count, D, generator=g, device=model.device, dtype=model.dtype)
-        layer.update(kv[0], kv[1], pos)
-    cache.seen_tokens = cache.seen_tokens + count
+def decode_untimed(session: DecodeSession, count: int) -> None:
+    """``count`` decode steps that append one token per row each and compress nothing (a method
+    with an interval compresses only in ``maybe_compress``): the cache grows as in generation."""
+    token = torch.zeros(len(session.slots), dtype=torch.long, device=session.device)
+    for _ in range(count):
+        session.step(token)
 
 
 class _Timed:
@@ -92,23 +74,24 @@ class _Timed:
                  compile: bool = False):
         self.model, self.batch, self.steps, self.compile = model, batch, steps, compile
         self.held = length if budget is None or method == "full" else budget
-        self.first_pos = length - self.held
-        self.seen = length  # tokens each row has seen when timing starts
         settings = {"window": 16} if method == "lazy" else {}
         budgeted = method == "full" or SCORERS[method.split(":")[-1]].needs.uses_budget
+        if budgeted and method != "full":
+            # the filled tokens stand for generated ones, which compete for the budget (a protected
+            # prompt would be kept whole and the method would never compress)
+            settings["protect_prompt"] = False
         self.policy = make_policy(method, budget=None if method == "full" or not budgeted else self.held, **settings)
         self.interval = self.policy.interval if self.policy.scorer else 1
+        self.filled = self.held  # prompt tokens prefilled
         self.partitions = not budgeted  # LagKV: frozen partitions + a tail, compressed every L tokens
-        if self.partitions:
-            self.seen, self.interval = lag_steady_state(self.policy.scorer, length), self.policy.scorer.lag
+        if self.partitions:  # a prompt its own compression leaves in steady state at ``length`` live tokens
+            self.filled, self.interval = lag_steady_state(self.policy.scorer, length), self.policy.scorer.lag
         self.token = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.reset()
 
     def reset(self) -> None:
         """A fresh session holding ``held`` tokens (allocated once for all the timed steps)."""
-        self.session = filled_session(self.model, self.policy, self.batch, self.held, self.steps + 4,
-                                      self.first_pos, self.compile)
-        self.session.cache.seen_tokens.fill_(self.seen)
+        self.session = filled_session(self.model, self.policy, self.batch, self.filled, self.steps + 4, self.compile)
 
     def step(self) -> float:
         """Seconds of one decode step: the forward pass, then an every-step method's eviction
@@ -131,7 +114,7 @@ class _Timed:
                 count = lag_tokens_until_due(self.policy.scorer, int(cache.seen_tokens[0]), live)
             else:
                 count = self.held + self.interval - live
-            append_random(self.model, cache, count)
+            decode_untimed(self.session, count)
             _sync(self.model)
             t0 = time.perf_counter()
             self.session.schedule.compress()
@@ -150,8 +133,8 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     ``full`` holds ``length`` tokens; the method holds ``budget`` (default ``length``) after
     ``length`` tokens were seen.  Every-step methods (interval 1) compress on every timed step.
     Interval methods (SnapKV 64, SkipKV 128, AMS 512, ...) time min(steps, I) forward steps
-    (their per-step observation included); the cache is then topped up with random tokens to
-    budget + I, untimed, and one timed compression is charged 1/I per step.  A scorer that
+    (their per-step observation included); the cache is then filled to budget + I by untimed
+    decode steps, and one timed compression is charged 1/I per step.  A scorer that
     observes only the step before a compression (TOVA inside AMS) runs unobserved timed steps;
     its one observed step per interval (about tova's per-step extra, divided by I) is not timed.
     LagKV and its variants (no token budget) run at their defaults in steady state
