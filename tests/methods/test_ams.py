@@ -14,9 +14,9 @@ from kvsieve.analysis.trace import TraceRecorder
 from kvsieve.attention import StepState, sieve_attention, window_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
-from kvsieve.methods.ams import (CREDIT, allocate_quotas, ema_credit, fill_to_budget, quality_mass, segment_ids,
-                                 segment_starts, top_per_segment)
+from kvsieve.methods.ams import CREDIT, ema_credit, quality_mass
 from kvsieve.policy import compress_layer, indices_from_mask
+from kvsieve.segments import allocate_quotas, fill_to_budget, segment_ids, segment_starts, top_per_segment
 
 B, H, G, D = 2, 2, 3, 8
 
