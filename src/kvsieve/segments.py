@@ -11,14 +11,23 @@ the cache, for every (row, kv head), vectorised over both:
 5. must-keep sinks and recent suffix (the policy's protected tokens), top-q_i of each segment by
    the base score, trim or backfill to exactly T_keep (Alg. 1 lines 30-41).
 
-(Steps 1-2, the mass and its EMA credit, are AMS's scoring: ``kvsieve.methods.ams``.)
+``SegmentQuotas`` runs the three steps; the functions below are its parts.  It is an allocator in
+DESIGN.md's sense (how many tokens each segment keeps) but is not registered in ``ALLOCATORS``: an
+``--allocator`` gets only the policy's scores, and the segments need a mass over the cache (AMS's
+window attention, Sec. 3.2) that an arbitrary scorer does not give, so ``ams:<base>`` builds one from
+its own settings and hands it the mass of steps 1-2 (``kvsieve.methods.ams``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+from .checks import check_fields
+from .policy import check_choice, indices_from_mask
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -159,3 +168,76 @@ def fill_to_budget(chosen, must, sink, score, valid, keep) -> torch.Tensor:
     perm = _order_by(-tier, -within.nan_to_num(float("-inf")))
     kept = (torch.arange(chosen.shape[-1], device=chosen.device) < keep[..., None]) & (tier.gather(-1, perm) > 0)
     return torch.zeros_like(chosen).scatter_(-1, perm, kept)
+
+
+# ---------------------------------------------------------------------------- the allocator
+@dataclass(frozen=True)
+class SegmentQuotas:
+    """Steps 3-5 for every (row, kv head): segments of the mass, quotas, and the kept tokens.
+
+    Settings as ``AMS`` documents them, with their Table 15 defaults there: ``delta`` the target
+    segment mass, ``l_min``/``l_max`` the segment length bounds, ``q_min`` the minimum quota,
+    ``segmentation`` "row" (per row and kv head, Alg. 1) or "batch" (one segmentation per kv head
+    from the batch-mean mass, released code), ``order`` "sec3.3" or "alg1" (below).
+
+    Order of must-keep and quotas (``order``): "sec3.3" follows Sec. 3.3's "must-keep positions are
+    inserted first and the remaining budget is allocated to segments; if the remaining budget
+    becomes negative, we reduce the recent-token suffix while always preserving sink tokens":
+    quotas split ``T_keep - |must|`` over the non-must tokens, so the union is exactly T_keep.
+    "alg1" follows Algorithm 1 (and the released code): quotas split T_keep over every token, the
+    must-keep set is added, and the lowest-scoring non-must tokens are trimmed (or the best
+    remaining backfilled).
+    """
+
+    delta: float
+    l_min: int
+    l_max: int
+    q_min: int
+    segmentation: str
+    order: str
+    SEGMENTATIONS: ClassVar[tuple[str, ...]] = ("row", "batch")
+    ORDERS: ClassVar[tuple[str, ...]] = ("sec3.3", "alg1")
+
+    def __post_init__(self):
+        check_fields(self)
+        if not (0 < self.delta <= 1 and self.q_min >= 0 and 1 <= self.l_min <= self.l_max):
+            raise ValueError(f"mass segments need 0 < delta <= 1, q_min >= 0 and 1 <= l_min <= l_max; got "
+                             f"delta={self.delta}, q_min={self.q_min}, l_min={self.l_min}, l_max={self.l_max}")
+        check_choice(self.segmentation, self.SEGMENTATIONS, "mass segments segmentation")
+        check_choice(self.order, self.ORDERS, "mass segments order")
+
+    def keep_mask(self, mass: torch.Tensor, scores: torch.Tensor, live: torch.Tensor, budget,
+                  raw: torch.Tensor | None = None) -> torch.Tensor:
+        """Keep mask [B, H, cap] of exactly min(T_keep, live count) tokens per (row, kv head),
+        read in position order (live slots are in position order).
+
+        mass [B, H, cap]: the per-token mass (steps 1-2); scores [B, H, cap]: the policy's scores
+        (+inf on the must-keep sinks and recent suffix, -inf on dead slots); live [B, H, cap];
+        budget: T_keep, an int or per-row counts [B, 1] (a protected prompt,
+        ``Policy.protect_prompt``); raw [B, H, cap]: the base's own scores g, by which
+        ``order="alg1"`` ranks the must-keep tokens too (Alg. 1 line 32; default ``scores``).
+        """
+        slots, n = indices_from_mask(live, live.shape[-1])  # [B, H, cap] live slots first, [B, H]
+        valid = torch.arange(live.shape[-1], device=live.device) < n[..., None]
+        mass = mass.gather(-1, slots) * valid
+        must = (scores == float("inf")).gather(-1, slots) & valid  # the policy's sinks + recent
+        sink = must.long().cumprod(dim=-1).bool()  # the must-keep run from position 0
+        score = (scores if self.order == "sec3.3" or raw is None else raw).gather(-1, slots)
+        keep = n.clamp(max=budget)  # T_keep per (row, kv head)
+        seg_mass, seg_n = mass, n
+        if self.segmentation == "batch":  # released code: one segmentation from the batch-mean mass
+            seg_mass, seg_n = normalize(mass.sum(dim=0, keepdim=True)), n.amax(dim=0, keepdim=True)
+        starts = segment_starts(seg_mass, seg_n, self.delta, self.l_min, self.l_max)
+        seg = segment_ids(starts).expand_as(mass).contiguous()  # [B, H, cap] segment of each token
+        # deviation: Alg. 1 (quotas, then must-keep, then trim) and Sec. 3.3 (must-keep first) differ;
+        # Sec. 3.3's order is the default, Alg. 1's is order="alg1"
+        if self.order == "sec3.3":  # must-keep first, quotas share what is left
+            selectable, total = valid & ~must, (keep - must.sum(dim=-1)).clamp(min=0)
+        else:
+            selectable, total = valid, keep
+        capacity = torch.zeros_like(seg).scatter_add_(-1, seg, selectable.long())
+        seg_total = torch.zeros_like(mass).scatter_add_(-1, seg, seg_mass.expand_as(mass) * valid)
+        quota = allocate_quotas(seg_total, capacity, total, self.q_min)
+        chosen = top_per_segment(seg, score, selectable, quota)
+        kept = fill_to_budget(chosen, must, sink, score, valid, keep)
+        return torch.zeros_like(slots).scatter_add_(-1, slots, kept.long()) > 0

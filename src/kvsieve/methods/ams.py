@@ -15,18 +15,11 @@ compression event, for every (row, kv head), vectorised over both (Algorithm 1, 
 2. EMA credit (Sec. 3.3, Alg. 1 lines 6-9): ``c <- lam c + (1 - lam) m``,
    ``m_used = normalize(beta m + (1 - beta) normalize(c))``.  ``c`` is per-token metadata
    (``meta["ams_credit"]``): the engine's one gather compacts it with K/V, new tokens enter at 0.
-3-5. segments, quotas and selection (Sec. 3.3, Alg. 1 lines 14-41) are allocation, in
-   ``kvsieve.segments``: the mass is cut into segments, the budget T_keep into per-segment quotas
-   that the base score fills; ``select`` returns the keep mask and the engine gathers once (lines
-   43-44).
-
-Order of must-keep and quotas (``order``): "sec3.3" (default) follows Sec. 3.3's "must-keep
-positions are inserted first and the remaining budget is allocated to segments; if the remaining
-budget becomes negative, we reduce the recent-token suffix while always preserving sink tokens":
-quotas split ``T_keep - |must|`` over the non-must tokens, so the union is exactly T_keep.
-"alg1" follows Algorithm 1 (and the released code): quotas split T_keep over every token, the
-must-keep set is added, and the lowest-scoring non-must tokens are trimmed (or the best
-remaining backfilled).
+3-5. segments, quotas and selection (Sec. 3.3, Alg. 1 lines 14-41) are allocation: the wrapper
+   hands the mass to a ``kvsieve.segments.SegmentQuotas`` built from its settings, which cuts it
+   into segments, splits the budget T_keep into per-segment quotas and fills them by the base
+   score (must-keep first, Sec. 3.3, or as Algorithm 1 orders it: ``order``); ``select``
+   returns that keep mask and the engine gathers once (lines 43-44).
 
 Schedule (App. B.2, Table 12): decode-only.  The prompt is prefilled whole
 (``compress_prefill`` False, and ``prefill_block`` False, so that a base which reads the prompt
@@ -59,8 +52,8 @@ import torch
 
 from ..attention import window_attention
 from ..cache import DEAD_POS
-from ..policy import HEAD_REDUCTIONS, About, check_choice, indices_from_mask, pool_along_sequence, reduce_group
-from ..segments import allocate_quotas, fill_to_budget, normalize, segment_ids, segment_starts, top_per_segment
+from ..policy import HEAD_REDUCTIONS, About, check_choice, pool_along_sequence, reduce_group
+from ..segments import SegmentQuotas, normalize
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 
@@ -162,6 +155,7 @@ class AMS(WrappingScorer):
     padding: str = "missing"
     segmentation: str = "row"
     order: str = "sec3.3"
+    allocation: SegmentQuotas = field(init=False, repr=False, compare=False)  # steps 3-5, from the fields above
     _raw: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     prefix: ClassVar[str] = "ams"
     about: ClassVar[About] = About(
@@ -173,17 +167,13 @@ class AMS(WrappingScorer):
                                 "prefill_block": 0, "protect_prompt": False, "recent_doc": "", "interval_doc": ""}
 
     def __post_init__(self, inner):
-        if self.mass_window < 1 or self.mass_kernel < 1 or self.q_min < 0 or not 1 <= self.l_min <= self.l_max:
-            raise ValueError(f"{self.prefix}: need mass_window >= 1, mass_kernel >= 1, q_min >= 0 and "
-                             "1 <= l_min <= l_max")
-        if not (0 < self.delta <= 1 and 0 <= self.ema_lambda < 1 and 0 <= self.ema_beta <= 1
-                and self.mass_epsilon > 0):
-            raise ValueError(f"{self.prefix}: need 0 < delta <= 1, 0 <= ema_lambda < 1, 0 <= ema_beta <= 1 and "
-                             "mass_epsilon > 0")
+        if self.mass_window < 1 or self.mass_kernel < 1:
+            raise ValueError(f"{self.prefix}: need mass_window >= 1 and mass_kernel >= 1")
+        if not (0 <= self.ema_lambda < 1 and 0 <= self.ema_beta <= 1 and self.mass_epsilon > 0):
+            raise ValueError(f"{self.prefix}: need 0 <= ema_lambda < 1, 0 <= ema_beta <= 1 and mass_epsilon > 0")
         check_choice(self.mass_reduction, HEAD_REDUCTIONS, f"{self.prefix} mass_reduction")
         check_choice(self.padding, ("missing", "suffix"), f"{self.prefix} padding")
-        check_choice(self.segmentation, ("row", "batch"), f"{self.prefix} segmentation")
-        check_choice(self.order, ("sec3.3", "alg1"), f"{self.prefix} order")
+        self.allocation = SegmentQuotas(self.delta, self.l_min, self.l_max, self.q_min, self.segmentation, self.order)
         # Segments and quotas read slots in position order, and every kv head keeps its own tokens
         # (Sec. 3.1): a base that aligns heads is asked per kv head (``score``)
         self.wrap(self.prefix, inner, example="expected",
@@ -216,33 +206,10 @@ class AMS(WrappingScorer):
         return mass
 
     def select(self, layer, scores, budget, seen_tokens):
-        """Steps 3-6 on the live tokens of every (row, kv head), in position order."""
-        live = layer.live()
-        raw = self._raw.pop(layer.layer_idx, scores)
-        slots, n = indices_from_mask(live, live.shape[-1])  # [B, H, cap] live slots first, [B, H]
-        valid = torch.arange(live.shape[-1], device=live.device) < n[..., None]
-        mass = self.mass(layer).gather(-1, slots) * valid
-        must = (scores == float("inf")).gather(-1, slots) & valid  # the policy's sinks + recent
-        sink = must.long().cumprod(dim=-1).bool()  # the must-keep run from position 0
-        score = scores.gather(-1, slots) if self.order == "sec3.3" else raw.gather(-1, slots)
-        keep = n.clamp(max=budget)  # T_keep per (row, kv head)
-        seg_mass, seg_n = mass, n
-        if self.segmentation == "batch":  # released code: one segmentation from the batch-mean mass
-            seg_mass, seg_n = normalize(mass.sum(dim=0, keepdim=True)), n.amax(dim=0, keepdim=True)
-        starts = segment_starts(seg_mass, seg_n, self.delta, self.l_min, self.l_max)
-        seg = segment_ids(starts).expand_as(mass).contiguous()  # [B, H, cap] segment of each token
-        # deviation: Alg. 1 (quotas, then must-keep, then trim) and Sec. 3.3 (must-keep first) differ;
-        # Sec. 3.3's order is the default, Alg. 1's is order="alg1"
-        if self.order == "sec3.3":  # must-keep first, quotas share what is left
-            selectable, total = valid & ~must, (keep - must.sum(dim=-1)).clamp(min=0)
-        else:
-            selectable, total = valid, keep
-        capacity = torch.zeros_like(seg).scatter_add_(-1, seg, selectable.long())
-        seg_total = torch.zeros_like(mass).scatter_add_(-1, seg, seg_mass.expand_as(mass) * valid)
-        quota = allocate_quotas(seg_total, capacity, total, self.q_min)
-        chosen = top_per_segment(seg, score, selectable, quota)
-        kept = fill_to_budget(chosen, must, sink, score, valid, keep)
-        mask = torch.zeros_like(slots).scatter_add_(-1, slots, kept.long()) > 0
+        """Steps 1-2 here (the mass), steps 3-5 by ``self.allocation``: the keep mask of every
+        (row, kv head)."""
+        raw = self._raw.pop(layer.layer_idx, None)  # order="alg1": the base's own scores
+        mask = self.allocation.keep_mask(self.mass(layer), scores, layer.live(), budget, raw)
         # a protected prompt makes budget a [B, 1] tensor of per-row counts (Policy.protect_prompt)
         return mask, min(layer.max_len, budget) if isinstance(budget, int) else None
 
