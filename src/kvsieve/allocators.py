@@ -3,6 +3,9 @@
 ``select(scores, budget, k)`` gets scores [B, H_kv, S] (+inf protected, -inf dead) and the
 layer's budget, and returns a keep mask [B, H_kv, S] and the largest per-head count if it is
 known on the host (``k``) or ``None`` when counts are data dependent.
+
+AMS's mass segments (``kvsieve.segments.SegmentQuotas``) allocate too, but from a per-token mass
+that these scores do not carry, so ``ams:<base>`` owns one and it is not registered here.
 """
 
 from __future__ import annotations

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from kvsieve import GenerateConfig, generate
+from kvsieve.allocators import ALLOCATORS
 from kvsieve.analysis.trace import TraceRecorder
 from kvsieve.attention import StepState, sieve_attention, window_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
-from kvsieve.methods.ams import (CREDIT, allocate_quotas, ema_credit, fill_to_budget, quality_mass, segment_ids,
-                                 segment_starts, top_per_segment)
+from kvsieve.methods.ams import CREDIT, ema_credit, quality_mass
 from kvsieve.policy import compress_layer, indices_from_mask
+from kvsieve.segments import (SegmentQuotas, allocate_quotas, fill_to_budget, segment_ids, segment_starts,
+                              top_per_segment)
 
 B, H, G, D = 2, 2, 3, 8
 
@@ -319,6 +321,19 @@ def test_wrapper_registration_settings_and_errors():
         make_policy("ams:tova", budget=64, l_min=40, l_max=20)
     with pytest.raises(ValueError, match="smaller than the protected tokens"):
         make_policy("ams:tova", budget=20)  # sinks 4 + recent 32
+
+
+def test_segments_and_quotas_are_an_allocator_built_from_the_wrappers_settings():
+    """Steps 3-5 belong to a SegmentQuotas that the wrapper builds from its own settings (their
+    names stay the wrapper's); it needs a mass, so it is no ``--allocator``."""
+    released = make_policy("ams-released:tova", budget=64).scorer.allocation
+    assert released == SegmentQuotas(delta=0.02, l_min=32, l_max=1024, q_min=8, segmentation="batch", order="alg1")
+    assert make_policy("ams:tova", budget=64, delta=0.05).scorer.allocation.delta == 0.05
+    assert SegmentQuotas not in ALLOCATORS.values()
+    with pytest.raises(ValueError, match="segmentation must be one of"):
+        SegmentQuotas(delta=0.1, l_min=16, l_max=256, q_min=1, segmentation="rows", order="sec3.3")
+    with pytest.raises(ValueError, match="0 < delta <= 1"):
+        make_policy("ams:tova", budget=64, delta=0.0)
 
 
 def test_settings_report_the_base_scorers_settings():
