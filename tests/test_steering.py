@@ -154,10 +154,10 @@ def test_strength_zero_reproduces_unsteered_greedy_tokens(smollm, vector):
     model, tok = smollm
     config = GenerateConfig(max_new_tokens=16)
     plain = generate(model, tok, [SHORT, MEDIUM], config=config)
-    zero = generate(model, tok, [SHORT, MEDIUM], config=config, steering=Steering(vector, alpha0=0.0, gamma=0.0))
+    zero = generate(model, tok, [SHORT, MEDIUM], config=config, hooks=[Steering(vector, alpha0=0.0, gamma=0.0)])
     assert zero.token_ids == plain.token_ids
     assert zero.settings["steering"]["layer"] == vector.layer
-    strong = generate(model, tok, [SHORT, MEDIUM], config=config, steering=Steering(vector, alpha0=4.0))
+    strong = generate(model, tok, [SHORT, MEDIUM], config=config, hooks=[Steering(vector, alpha0=4.0)])
     assert strong.token_ids != plain.token_ids  # and a real strength does act
 
 

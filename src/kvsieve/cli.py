@@ -185,7 +185,7 @@ def generate(
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
         try:
-            result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
+            result = run_generate(lm, tokenizer, batch, policy, config, hooks=[] if steering is None else [steering])
         except KVMemoryError as err:
             raise typer.BadParameter(str(err), param_hint="--kv-memory-gb") from None
         except ValueError as err:  # what only the batch shows: a prompt over the context, LagKV's budget fit

@@ -28,7 +28,7 @@ where the vector was measured, so build and injection use one tensor.  Nothing i
 Usage::
 
     vec = build_steering_vector(model, tok, calibration_prompts(500))      # or SteeringVector.load
-    out = kvsieve.generate(model, tok, prompts, policy, steering=Steering(vec, alpha0=1.0))
+    out = kvsieve.generate(model, tok, prompts, policy, hooks=[Steering(vec, alpha0=1.0)])
 
 Release preset (``RELEASED``): the official scripts build V = H_O - H_E and steer with
 ``coef = -1.25 - 0.02 * N_o`` (the same direction as the paper's +1.25 on E - O), only on
@@ -46,7 +46,7 @@ import json
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -340,7 +340,8 @@ def calibration_prompts(n: int, path: str | Path = "../shared/data/gsm8k_train.j
 # ---------------------------------------------------------------------------- injection
 @dataclass
 class Steering:
-    """Adaptive steering for one ``generate`` call (Sec. 4.2, Alg. 2 lines 19, 26-27).
+    """Adaptive steering for one ``generate`` call (Sec. 4.2, Alg. 2 lines 19, 26-27), a
+    ``policy.Hook``: ``generate(..., hooks=[Steering(vector)])``.
 
     Parameters
     ----------
@@ -362,6 +363,7 @@ class Steering:
     gamma = -0.02 push the same way as the paper's +1.25 and +0.02 on E - O.
     """
 
+    name: ClassVar[str] = "steering"  # its entry in generate's settings record (policy.Hook)
     vector: SteeringVector
     alpha0: float = 1.0
     gamma: float = 0.02
