@@ -9,8 +9,9 @@ from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS
 from kvsieve.generate import encode_prompts
 from kvsieve.methods import make_policy
-from kvsieve.steering import (KEYWORDS, OthersCounter, Steering, SteeringVector, build_steering_vector,
-                              calibration_prompts, default_layer, group_by_prefill_length, padding_tokens)
+from kvsieve.data.batching import group_by_prefill_length, padding_tokens
+from kvsieve.methods._sentences import KEYWORDS, OthersCounter
+from kvsieve.steering import Steering, SteeringVector, build_steering_vector, calibration_prompts, default_layer
 
 END, KW = 0, 9  # delimiter and keyword ids in the hand-made tests
 SHORT = "What is 7 times 8?"

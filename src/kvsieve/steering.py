@@ -1,12 +1,11 @@
-"""SkipKV's generation side: sentence token sets, adaptive steering, batch grouping.
+"""SkipKV's adaptive steering: build the steering vector, and inject it while decoding.
 
 Based on Tian et al., "SkipKV: Selective Skipping of KV Generation and Storage for Efficient
 Inference with Large Reasoning Models" (arXiv:2512.07993); official code
 github.com/TTTTTTris/SkipKV.
 
-* **Sentences** (App. A.1): a sentence ends at (and includes) a token of the newline delimiter
-  set D; a sentence holding a token of the keyword set N is a non-execution thought ("Others").
-  Both sets are token texts, turned into vocabulary ids once per tokenizer (``vocab_ids``).
+* **Sentences** (App. A.1): the delimiter set D and keyword set N, as token ids, and the count
+  of Others sentences live in ``kvsieve.methods._sentences``, shared with SkipKV's scorer.
 * **Steering vector** (Sec. 4.2, 5.1; SEAL's recipe): V = mean hidden state of execution
   sentences - mean hidden state of Others sentences, at the input of decoder layer ``layer``
   (``output_hidden_states[layer]`` in transformers' numbering), from the model's own greedy
@@ -14,8 +13,10 @@ github.com/TTTTTTris/SkipKV.
   Others sentences are labelled by App. A.1's keywords (default) or by SEAL's reflection and
   transition phrases (``labels="seal"``, the definition Sec. 4 follows).
 * **Adaptive steering** (Alg. 2 lines 19, 26-27): H_k <- H_k + alpha_t V with, per row,
-  alpha_t = alpha_0 + gamma * N_o, N_o the row's closed Others sentences so far (``Steering``).
-* **Batch grouping** (Sec. 4.3, Eq. 12): ``group_by_prefill_length``.
+  alpha_t = alpha_0 + gamma * N_o, N_o the row's closed Others sentences so far (``Steering``,
+  a ``policy.Hook`` for ``generate(..., hooks=[...])``).
+* Batch grouping (Sec. 4.3, Eq. 12) is ``kvsieve.data.batching``; the command line that builds
+  a vector is ``kvsieve steering build`` (``kvsieve.cli``).
 
 Injection is a forward *pre*-hook on decoder layer ``layer``, registered by
 ``Steering.attach`` for one ``generate`` call and removed in its ``finally``.  Why a hook and
@@ -40,7 +41,6 @@ and the 128-token strength update are not reproduced (the bundled models have no
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import warnings
@@ -52,9 +52,8 @@ import torch
 
 from .cache import DEAD_POS
 from .checks import check_fields
+from .methods._sentences import DELIMITERS, KEYWORDS, OthersCounter, sentence_spans, vocab_ids
 
-DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")  # App. A.1, newline delimiter set D
-KEYWORDS = ("Wait", "Alternatively", "again")  # App. A.1, non-executable keyword set N
 PAPER_LAYER_FRACTION = 20 / 28  # App. A.2: layer 20 of R1-Qwen-7B's 28 (35/48 for 14B is 0.73)
 MIN_SENTENCES = 20  # below this many sentences on either side, build_steering_vector warns (kvsieve's choice)
 # SEAL's thought classes (Chen et al., 2025, arXiv:2504.07986, as its released classification step
@@ -65,63 +64,6 @@ SEAL_PHRASES = ("alternatively", "think differently", "another way", "another ap
                 "wait", "verify", "make sure", "hold on", "think again", "'s correct", "'s incorrect",
                 "let me check", "seems right")  # reflection
 RELEASED = {"direction": "others_minus_execution", "alpha0": -1.25, "gamma": -0.02, "positions": "paragraph"}
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_vocab(tokenizer) -> tuple[str, ...]:
-    return tuple(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
-
-
-def _decoded_vocab(tokenizer) -> tuple[str, ...]:
-    """Each vocabulary id's text (0.3 s for 49k tokens; cached per tokenizer object)."""
-    try:
-        return _cached_vocab(tokenizer)
-    except TypeError:  # an unhashable tokenizer class
-        return _cached_vocab.__wrapped__(tokenizer)
-
-
-def vocab_ids(tokenizer, texts: Sequence[str], strip: bool = False, contains: bool = False) -> torch.Tensor:
-    """Ids of vocabulary tokens whose decoded text equals one of ``texts`` (``strip``: after
-    removing surrounding whitespace, so " Wait" matches "Wait"; ``contains``: holds one)."""
-    wanted = set(texts)
-    vocab = _decoded_vocab(tokenizer)
-    if contains:
-        hits = [i for i, t in enumerate(vocab) if any(w in t for w in wanted)]
-    else:
-        hits = [i for i, t in enumerate(vocab) if (t.strip() if strip else t) in wanted]
-    return torch.tensor(hits, dtype=torch.long)
-
-
-class OthersCounter:
-    """Per-row count N_o of closed sentences labelled Others (Alg. 2 lines 5-7, 26), updated
-    from each forward's tokens without host syncs.  State is indexed by original batch row."""
-
-    def __init__(self, delimiter_ids: torch.Tensor, keyword_ids: torch.Tensor):
-        self.delimiter_ids, self.keyword_ids = delimiter_ids, keyword_ids
-        self.n_others: torch.Tensor | None = None  # [R] closed Others sentences
-        self.open_has_keyword: torch.Tensor | None = None  # [R] the open sentence holds a keyword
-
-    def counts(self, rows: torch.Tensor) -> torch.Tensor:
-        """[B] N_o of each row (the first call, with the whole batch, allocates the state)."""
-        if self.n_others is None:
-            self.n_others = torch.zeros(rows.numel(), dtype=torch.long, device=rows.device)
-            self.open_has_keyword = torch.zeros_like(self.n_others, dtype=torch.bool)
-        return self.n_others[rows]
-
-    def update(self, token_ids: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor) -> None:
-        """token_ids, query_pos: [B, T] (DEAD_POS on padding); rows: [B] original row ids."""
-        self.counts(rows)
-        B, T = token_ids.shape
-        real = query_pos != DEAD_POS
-        end = torch.isin(token_ids, self.delimiter_ids) & real
-        keyword = torch.isin(token_ids, self.keyword_ids) & real
-        segment = end.cumsum(1) - end.long()  # [B, T] sentence index inside this chunk; 0 = the open one
-        hits = torch.zeros(B, T + 1, dtype=torch.long, device=token_ids.device).scatter_add_(1, segment, keyword.long())
-        hits[:, 0] += self.open_has_keyword[rows].long()
-        n_end = end.sum(1)  # [B]
-        closed = torch.arange(T + 1, device=token_ids.device) < n_end[:, None]
-        self.n_others[rows] += ((hits > 0) & closed).sum(1)
-        self.open_has_keyword[rows] = hits.gather(1, n_end[:, None]).squeeze(1) > 0
 
 
 # ---------------------------------------------------------------------------- the vector
@@ -232,16 +174,6 @@ def _layer_input(model, layer: int, edit):
         yield
     finally:
         handle.remove()
-
-
-def sentence_spans(token_ids: list[int], delimiters: set[int]) -> list[tuple[int, int]]:
-    """Closed sentences [start, end] (end = the delimiter, inclusive) of a token list (App. A.1)."""
-    spans, start = [], 0
-    for i, tok in enumerate(token_ids):
-        if tok in delimiters:
-            spans.append((start, i))
-            start = i + 1
-    return spans
 
 
 @torch.inference_mode()
@@ -431,26 +363,6 @@ class Steering:
 
         with _layer_input(model, self.vector.layer, edit):
             yield on_tokens
-
-
-# ---------------------------------------------------------------------------- batching
-def group_by_prefill_length(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Sec. 4.3: sort prompts by prefill length, then cut into batches of ``batch_size``.
-
-    Returns prompt indices per batch; run each batch with ``generate`` and scatter results
-    back by index.  In kvsieve padding never counts against the budget (padding slots are
-    dropped after prefill and budgets count live tokens per row), so Eq. 12's B' = B holds
-    without grouping; grouping still removes padded prefill compute and prefill memory.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def padding_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> int:
-    """Sum over prompts of Delta_pad = N_p^max - N_p within its batch (Eq. 12)."""
-    return sum(max(lengths[i] for i in b) - lengths[i] for b in batches for i in b)
 
 
 def main(argv: list[str] | None = None) -> None:
