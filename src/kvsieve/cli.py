@@ -273,7 +273,7 @@ def lm_eval(ctx: typer.Context):
     `kvsieve lm-eval run --model kvsieve --model_args pretrained=M,method=tova,budget=256 --tasks gsm8k`
     (every lm-eval option is passed through; `kvsieve lm-eval run --help` lists them)."""
     try:
-        from .lmeval import main as lmeval_main
+        from .eval.lmeval import main as lmeval_main
     except ImportError as err:
         raise typer.BadParameter(str(err)) from None
     lmeval_main(ctx.args)

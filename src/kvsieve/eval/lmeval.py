@@ -3,13 +3,13 @@
 Install with ``pip install 'kvsieve[lmeval]'``; then either of::
 
     kvsieve lm-eval run --model kvsieve --model_args pretrained=DIR,method=tova,budget=256 --tasks gsm8k
-    python -m kvsieve.lmeval run --model kvsieve --model_args pretrained=DIR,method=tova,budget=256 --tasks gsm8k
+    python -m kvsieve.eval.lmeval run --model kvsieve --model_args pretrained=DIR,method=tova,budget=256 --tasks gsm8k
 
 runs the harness's own command line (``run``, ``ls``, ``validate``; every harness option is
 passed through) with this model registered.  ``lm-eval`` releases that discover plugins from
 the ``lm_eval.models`` entry-point group (harness main branch from 2026-09; not yet 0.4.13) find
 the model without the wrapper: ``lm-eval run --model kvsieve ...``.  lm-eval 0.4.13 and older
-have no such discovery, so there the wrapper above, or ``import kvsieve.lmeval`` before
+have no such discovery, so there the wrapper above, or ``import kvsieve.eval.lmeval`` before
 ``lm_eval.simple_evaluate(model="kvsieve", ...)``, is what registers it.
 
 Model arguments (``--model_args k=v,k=v``):
@@ -69,7 +69,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kvsieve.lmeval needs lm-evaluation-harness: pip install 'kvsieve[lmeval]'") from err
+    raise ImportError("kvsieve.eval.lmeval needs lm-evaluation-harness: pip install 'kvsieve[lmeval]'") from err
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ class KVSieveLM(TemplateLM):
                  device: str | None = None, dtype: str = "auto", prefill_chunk: int | None = None,
                  sampling_seed: int = 0, tokenizer=None, **settings):
         super().__init__()
-        from .methods import make_policy
-        from .models import load_model
+        from ..methods import make_policy
+        from ..models import load_model
 
         if method == "full" and (settings or budget is not None):
             given = sorted(settings) + (["budget"] if budget is not None else [])
@@ -306,7 +306,7 @@ class KVSieveLM(TemplateLM):
         return context, len(ids)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from kvsieve import GenerateConfig, generate
+        from ..generate import GenerateConfig, generate
 
         outputs: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[tuple[int, str, int]]] = defaultdict(list)
@@ -386,7 +386,7 @@ class KVSieveLM(TemplateLM):
 
     def _compressed_scores(self, pieces, disable_tqdm: bool, need_greedy: bool) -> list[tuple[float, bool]]:
         """Teacher forcing through the compressed cache (kvsieve.eval.perplexity.score_text)."""
-        from .eval.perplexity import score_text
+        from .perplexity import score_text
 
         context_nll: dict[tuple[int, ...], float] = {}
 
@@ -422,7 +422,7 @@ class KVSieveLM(TemplateLM):
 
     def _greedy_matches(self, pieces) -> list[bool]:
         """Would greedy decoding under the policy produce each continuation? One generation per context."""
-        from kvsieve import GenerateConfig, generate
+        from ..generate import GenerateConfig, generate
 
         wanted: dict[str, int] = {}  # context text -> longest continuation asked of it
         texts: list[str | None] = []
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # `python -m kvsieve.lmeval`: register through the importable module, not this __main__ copy
-    from kvsieve.lmeval import main as _main
+    # `python -m kvsieve.eval.lmeval`: register through the importable module, not this __main__ copy
+    from kvsieve.eval.lmeval import main as _main
 
     _main()
