@@ -44,9 +44,8 @@ What each request type measures:
     difference is the continuation's own log-probability under the compressed cache.  One token
     per forward pass: far slower than ``full`` on long contexts.
     ``is_greedy`` under a compressed method comes from greedy ``kvsieve.generate`` from the
-    context (the ``generate_until`` regime: full prefill, then compression), since the
-    teacher-forcing scorer reports sums only; it is ``False`` (with a warning) for a context that
-    does not survive a decode/encode round trip.
+    context's token ids (the ``generate_until`` regime: full prefill, then compression), since
+    the teacher-forcing scorer reports sums only.
 
 KV statistics (peak live tokens per kv head, compression events, peak bytes) of every request
 are summed in ``KVSieveLM.kv_stats`` and written to the results under ``config.kvsieve``.
@@ -289,41 +288,37 @@ class KVSieveLM(TemplateLM):
         return (tuple(until), int(limit), temperature, float(kwargs.get("top_p") or 1.0),
                 int(kwargs.get("top_k") or 0), int(kwargs.get("seed") or self.sampling_seed))
 
-    def _prompt(self, context: str, max_gen_toks: int) -> tuple[str, int]:
-        """The prompt text handed to kvsieve.generate and its length in tokens."""
+    def _prompt(self, context: str, max_gen_toks: int) -> list[int]:
+        """The prompt's token ids handed to kvsieve.generate (its end, when over max_length - max_gen_toks)."""
         if self._adds_bos and self.tokenizer.bos_token and context.startswith(self.tokenizer.bos_token):
             context = context[len(self.tokenizer.bos_token):]  # a chat template's BOS: the tokenizer adds its own
-        ids = self.tok_encode(context)
-        if not ids:
-            context, ids = self.tokenizer.decode([self.prefix_token_id]), [self.prefix_token_id]
+        ids = self.tok_encode(context) or [self.prefix_token_id]
         room = self.max_length - max_gen_toks
         if room < 1:
             raise ValueError(f"max_gen_toks {max_gen_toks} leaves no room for a prompt in max_length {self.max_length}")
         if len(ids) > room:
             self._warn_once("truncate", f"prompts over {room} tokens (max_length - max_gen_toks) lose their start")
             ids = ids[-room:]
-            context = self.tokenizer.decode(ids)
-        return context, len(ids)
+        return ids
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from ..generate import GenerateConfig, generate
 
         outputs: list[str | None] = [None] * len(requests)
-        groups: dict[tuple, list[tuple[int, str, int]]] = defaultdict(list)
+        groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args[0], req.args[1]
             settings = self._gen_settings(gen_kwargs)
-            prompt, length = self._prompt(context, settings[1])
-            groups[settings].append((i, prompt, length))
+            groups[settings].append((i, self._prompt(context, settings[1])))
         bar = tqdm(total=len(requests), desc="kvsieve generate_until", disable=disable_tqdm)
         for (until, limit, temperature, top_p, top_k, seed), items in groups.items():
             config = GenerateConfig(max_new_tokens=limit, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                     stop_strings=until, prefill_chunk=self.prefill_chunk, chat_template=False)
-            items.sort(key=lambda item: -item[2])  # similar lengths together: less left padding
+            items.sort(key=lambda item: -len(item[1]))  # similar lengths together: less left padding
             for start in range(0, len(items), self.batch_size):
                 batch = items[start:start + self.batch_size]
-                result = generate(self.model, self.tokenizer, [p for _, p, _ in batch], self.policy, config)
-                for (i, _, _), text, stat in zip(batch, result.texts, result.stats):
+                result = generate(self.model, self.tokenizer, [ids for _, ids in batch], self.policy, config)
+                for (i, _), text, stat in zip(batch, result.texts, result.stats):
                     outputs[i] = text
                     self.stats["generate_until"].add(stat.peak_kv_tokens, stat.final_kv_tokens, self.kv_heads,
                                                      stat.prompt_tokens + stat.generated_tokens, stat.generated_tokens,
@@ -412,38 +407,24 @@ class KVSieveLM(TemplateLM):
         greedy = self._greedy_matches(pieces) if need_greedy else [False] * len(pieces)
         return list(zip(logprobs, greedy))
 
-    def _context_text(self, strings, ctx: list[int], cut: int) -> str | None:
-        """Text that kvsieve.generate encodes to exactly ``ctx``, or None."""
-        candidates = [strings[0].rstrip()] if strings is not None and strings[0] and not cut else []
-        candidates.append(self.tokenizer.decode(ctx))
-        if self._adds_bos and ctx[:1] == [self.tokenizer.bos_token_id]:
-            candidates.append(self.tokenizer.decode(ctx[1:]))
-        return next((text for text in candidates if text and self.tok_encode(text) == ctx), None)
-
     def _greedy_matches(self, pieces) -> list[bool]:
         """Would greedy decoding under the policy produce each continuation? One generation per context."""
         from ..generate import GenerateConfig, generate
 
-        wanted: dict[str, int] = {}  # context text -> longest continuation asked of it
-        texts: list[str | None] = []
-        for strings, ctx, cont, cut in pieces:
-            text = self._context_text(strings, ctx, cut) if cont else None
-            texts.append(text)
-            if text is not None:
-                wanted[text] = max(wanted.get(text, 0), len(cont))
-            elif cont:
-                self._warn_once("greedy", "is_greedy is False for contexts that do not round-trip through the "
-                                          "tokenizer (kvsieve.generate takes text)")
-        produced: dict[str, list[int]] = {}
+        wanted: dict[tuple[int, ...], int] = {}  # context ids -> longest continuation asked of it
+        for _, ctx, cont, _ in pieces:
+            if cont and ctx:
+                wanted[tuple(ctx)] = max(wanted.get(tuple(ctx), 0), len(cont))
+        produced: dict[tuple[int, ...], list[int]] = {}
         items = sorted(wanted.items(), key=lambda kv: -kv[1])
         for start in range(0, len(items), self.batch_size):
             batch = items[start:start + self.batch_size]
             config = GenerateConfig(max_new_tokens=max(n for _, n in batch), prefill_chunk=self.prefill_chunk,
                                     chat_template=False, ignore_eos=True)
-            result = generate(self.model, self.tokenizer, [t for t, _ in batch], self.policy, config)
-            produced.update({t: ids for (t, _), ids in zip(batch, result.token_ids)})
-        return [text is not None and produced[text][:len(cont)] == list(cont)
-                for text, (_, _, cont, _) in zip(texts, pieces)]
+            result = generate(self.model, self.tokenizer, [list(ctx) for ctx, _ in batch], self.policy, config)
+            produced.update({ctx: ids for (ctx, _), ids in zip(batch, result.token_ids)})
+        return [tuple(ctx) in produced and produced[tuple(ctx)][:len(cont)] == list(cont)
+                for _, ctx, cont, _ in pieces]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
