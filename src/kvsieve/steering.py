@@ -202,6 +202,7 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
     if labels not in ("keywords", "seal"):
         raise ValueError(f"labels must be 'keywords' (App. A.1's set N) or 'seal' (SEAL's phrases), got {labels!r}")
     layer = default_layer(model.config.num_hidden_layers) if layer is None else layer
+    _decoder_layer(model, layer)  # a layer the model lacks fails before any answer is generated
     config = GenerateConfig(max_new_tokens=max_new_tokens)
     encoded = encode_prompts(tokenizer, prompts, config)
     if responses is None:
@@ -363,42 +364,3 @@ class Steering:
 
         with _layer_input(model, self.vector.layer, edit):
             yield on_tokens
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``kvsieve steering build --model M --samples N --out FILE``."""
-    import argparse
-
-    from .models import load_model
-
-    parser = argparse.ArgumentParser(prog="kvsieve steering")
-    build = parser.add_subparsers(dest="command", required=True).add_parser("build", help="build a SkipKV steering vector (Sec. 4.2)")
-    build.add_argument("--model", required=True)
-    build.add_argument("--dataset", default="../shared/data/gsm8k_train.jsonl",
-                       help="JSONL of problems ('question' as GSM8K, or 'problem' as MATH)")
-    build.add_argument("--samples", type=int, default=500)  # Sec. 5.1: 500 problems
-    build.add_argument("--skip", type=int, default=0, help="start after this many rows of --dataset")
-    build.add_argument("--layer", type=int, default=None)
-    build.add_argument("--max-new-tokens", type=int, default=512)
-    build.add_argument("--representation", choices=("mean", "delimiter"), default="mean")
-    build.add_argument("--released", action="store_true", help="build V = H_O - H_E (official code's sign)")
-    build.add_argument("--labels", choices=("keywords", "seal"), default="keywords",
-                       help="Others sentences: 'keywords' hold Wait/Alternatively/again (App. A.1, as decoding "
-                            "counts them); 'seal' contain one of SEAL's reflection/transition phrases (Sec. 4)")
-    build.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    model, tok = load_model(args.model)
-    try:
-        vec = build_steering_vector(model, tok, calibration_prompts(args.samples, args.dataset, args.skip), layer=args.layer,
-                                    max_new_tokens=args.max_new_tokens, representation=args.representation,
-                                    direction=RELEASED["direction"] if args.released else "execution_minus_others",
-                                    labels=args.labels,
-                                    dataset=f"{args.dataset} rows {args.skip}-{args.skip + args.samples - 1}")
-    except ValueError as err:
-        raise SystemExit(f"error: {err}")
-    vec.save(args.out)
-    print(json.dumps({"out": args.out, "layer": vec.layer, **vec.settings}))
-
-
-if __name__ == "__main__":
-    main()
