@@ -206,7 +206,7 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
     config = GenerateConfig(max_new_tokens=max_new_tokens)
     encoded = encode_prompts(tokenizer, prompts, config)
     if responses is None:
-        answers = generate(model, tokenizer, prompts, config=config).token_ids
+        answers = generate(model, tokenizer, encoded, config=config).token_ids  # ids: encoded once
     else:
         answers = [tokenizer(r, add_special_tokens=False).input_ids for r in responses]
     delim = set(vocab_ids(tokenizer, delimiters).tolist())
