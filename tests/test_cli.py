@@ -130,10 +130,53 @@ def test_generate_refuses_a_vector_built_for_another_model(smollm, vector_files)
 
 
 def test_steering_build_is_reachable_from_the_kvsieve_cli():
-    ok = runner.invoke(app, ["steering", "build", "--help"])
+    ok = runner.invoke(app, ["steering", "build", "--help"], env={"COLUMNS": "250"})
     assert ok.exit_code == 0 and "--samples" in ok.output and "--out" in ok.output
+    assert "Sec. 5.1: 500" in ok.output and "[default: 500]" in ok.output
     bad = runner.invoke(app, ["steering", "nope"])
     assert bad.exit_code != 0
+
+
+def one_line_error(args) -> str:
+    result = runner.invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 2, result.output
+    return " ".join(line.strip("│ ") for line in result.output.splitlines() if line.startswith("│"))
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--samples", "0"], "Invalid value: --samples must be >= 1, got 0"),
+    (["--skip", "-1"], "Invalid value: --skip must be >= 0, got -1"),
+    (["--dataset", "/no/such.jsonl"], "Invalid value for --dataset: /no/such.jsonl does not exist"),
+    (["--labels", "sael"], "'sael' is not one of 'keywords', 'seal'"),
+])
+def test_steering_build_refuses_bad_options_in_one_line_before_loading_a_model(extra, expected):
+    assert expected in one_line_error(["steering", "build", "--model", "smollm2-135m", "--out", "v.pt", *extra])
+
+
+def test_steering_build_passes_its_options_to_build_steering_vector(smollm, tmp_path, monkeypatch):
+    """The command maps each option onto build_steering_vector (building itself is tested in
+    test_steering.py; the bundled model writes too few Others sentences for a real build here)."""
+    import kvsieve.steering as steering
+
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n" for i in range(5)))
+    seen = {}
+
+    def build(model, tokenizer, prompts, **kw):
+        seen.update(kw, prompts=prompts)
+        return steering.SteeringVector(torch.ones(model.config.hidden_size), 3, steering.model_name(model),
+                                       steering.model_fingerprint(model), {"dataset": kw["dataset"]})
+
+    monkeypatch.setattr(steering, "build_steering_vector", build)
+    out = tmp_path / "v.pt"
+    result = runner.invoke(app, ["steering", "build", "--model", "smollm2-135m", "--dataset", str(data), "--samples",
+                                 "2", "--skip", "1", "--released", "--labels", "seal", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert len(seen.pop("prompts")) == 2
+    assert seen == {"layer": None, "max_new_tokens": 512, "representation": "mean", "labels": "seal",
+                    "direction": "others_minus_execution", "dataset": f"{data} rows 1-2"}
+    assert json.loads(result.stdout.splitlines()[-1]) == {"out": str(out), "layer": 3, "dataset": f"{data} rows 1-2"}
+    assert steering.SteeringVector.read(out).layer == 3
 
 
 def test_demo_measures_memory_speed_and_passkeys_when_it_runs(smollm, tmp_path):

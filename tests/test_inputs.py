@@ -93,16 +93,49 @@ def test_a_bare_string_is_one_prompt(llama):
     assert one.token_ids == generate(model, tok, ["Hi"], config=config).token_ids
 
 
+KINDS = "must be text, a list of chat messages ({'role': ..., 'content': ...}) or a list of token ids (ints), got"
+
+
 @pytest.mark.parametrize("prompts,expected", [
-    (["a", None], "prompts[1] must be text or a list of chat messages ({'role': ..., 'content': ...}), got None"),
-    ([1, 2], "prompts[0] must be text or a list of chat messages ({'role': ..., 'content': ...}), got 1 (int)"),
-    ([{"role": "user", "content": "hi"}], "prompts[0] must be text or a list of chat messages ({'role': ..., "
-     "'content': ...}), got {'role': 'user', 'content': 'hi'} (dict); to pass one conversation, wrap it in a list: "
-     "[messages]"),
+    (["a", None], f"prompts[1] {KINDS} None"),
+    (["a", 1], f"prompts[1] {KINDS} 1 (int)"),
+    ([[1, 2.5]], f"prompts[0] {KINDS} [1, 2.5] (list)"),
+    ([torch.tensor([1, 2])], f"prompts[0] {KINDS} tensor([1, 2]) (Tensor); pass ids.tolist(), without padding"),
+    (torch.tensor([[1, 2]]), "prompts must be lists of token ids, not a tensor (1, 2): pass ids.tolist(), one list "
+                             "per prompt without its padding"),
+    ([[]], "empty prompt: every prompt needs at least one token"),
+    ([[5, 258]], "prompt 0 holds token id 258, outside the model's vocabulary 0..257; pass ids from this model's "
+                 "tokenizer"),
+    ([{"role": "user", "content": "hi"}], f"prompts[0] {KINDS} {{'role': 'user', 'content': 'hi'}} (dict); to pass "
+     "one conversation, wrap it in a list: [messages]"),
 ])
 def test_prompts_of_another_type_are_refused_by_index(llama, prompts, expected):
     model, tok = llama
     assert message(generate, model, tok, prompts) == expected
+
+
+def test_token_id_prompts_decode_as_their_text_does(llama):
+    """A list of ints is one prompt of token ids, taken as given; a list of such lists is a batch."""
+    model, tok = llama
+    config = GenerateConfig(max_new_tokens=6, ignore_eos=True)
+    ids = [tok(p).input_ids for p in PROMPTS]
+    assert generate(model, tok, ids, config=config).token_ids == generate(model, tok, PROMPTS, config=config).token_ids
+    assert generate(model, tok, ids[0], config=config).token_ids == generate(model, tok, PROMPTS[0], config=config).token_ids
+    mixed = generate(model, tok, [PROMPTS[0], tuple(ids[1])], config=config)
+    assert mixed.token_ids == generate(model, tok, PROMPTS, config=config).token_ids
+
+
+@pytest.mark.parametrize("hooks,expected", [
+    (lambda vec: Steering(vec), "hooks= takes a list of hooks: hooks=[Steering(...)]"),
+    (lambda vec: [print], "hooks[0] must have name, attach(model, tokenizer) and settings() (a kvsieve.policy.Hook, "
+                          "e.g. kvsieve.steering.Steering), got <built-in function print> (builtin_function_or_method)"),
+    (lambda vec: [Steering(vec), Steering(vec, alpha0=2.0)],
+     "hooks ['steering'] given more than once: pass one hook of each name"),
+])
+def test_hooks_that_are_not_a_list_of_hooks_are_refused(llama, hooks, expected):
+    model, tok = llama
+    vec = SteeringVector(torch.ones(32), 1, model_name(model), model_fingerprint(model))
+    assert message(generate, model, tok, ["hi"], hooks=hooks(vec)) == expected
 
 
 def test_a_prompt_longer_than_the_context_is_refused_and_one_that_runs_past_it_warned(llama):
@@ -175,7 +208,7 @@ def test_a_steering_vector_of_the_wrong_length_or_layer_is_refused_before_decodi
     model, _ = llama
     forged = vector(model, values, layer)
     assert message(forged.check, model) == expected  # the CLI's check of a file
-    assert message(Steering(forged).attach(model, None).__enter__) == expected  # generate(..., steering=)
+    assert message(Steering(forged).attach(model, None).__enter__) == expected  # generate(..., hooks=[steering])
 
 
 def test_steering_strengths_are_type_checked():

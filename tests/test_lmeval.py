@@ -2,6 +2,7 @@
 
 import json
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from kvsieve.lmeval import KVSieveLM  # noqa: E402
+from kvsieve.eval.lmeval import KVSieveLM  # noqa: E402
 
 ARITH = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8"), ("What is 7 - 2?", "5")]
 MC = [("The sky on a clear day is", [" blue", " green"], 0), ("Two plus two equals", [" three", " four"], 1)]
@@ -84,8 +85,11 @@ def test_kvsieve_is_registered_with_the_harness():
         dist = metadata.distribution("kvsieve")
     except metadata.PackageNotFoundError:
         pytest.skip("kvsieve is not installed (source tree on PYTHONPATH): no entry points to check")
+    source = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    if source.startswith("file://") and Path(source[len("file://"):]).resolve() != Path(__file__).resolve().parents[1]:
+        pytest.skip(f"kvsieve is installed from another checkout ({source}): its entry points are that one's")
     points = [ep for ep in dist.entry_points if ep.group == "lm_eval.models"]
-    assert [(ep.name, ep.value) for ep in points] == [("kvsieve", "kvsieve.lmeval:KVSieveLM")]
+    assert [(ep.name, ep.value) for ep in points] == [("kvsieve", "kvsieve.eval.lmeval:KVSieveLM")]
     assert points[0].load() is KVSieveLM
 
 

@@ -9,8 +9,9 @@ from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS
 from kvsieve.generate import encode_prompts
 from kvsieve.methods import make_policy
-from kvsieve.steering import (KEYWORDS, OthersCounter, Steering, SteeringVector, build_steering_vector,
-                              calibration_prompts, default_layer, group_by_prefill_length, padding_tokens)
+from kvsieve.data.batching import group_by_prefill_length, padding_tokens
+from kvsieve.methods._sentences import KEYWORDS, OthersCounter
+from kvsieve.steering import Steering, SteeringVector, build_steering_vector, calibration_prompts, default_layer
 
 END, KW = 0, 9  # delimiter and keyword ids in the hand-made tests
 SHORT = "What is 7 times 8?"
@@ -154,10 +155,10 @@ def test_strength_zero_reproduces_unsteered_greedy_tokens(smollm, vector):
     model, tok = smollm
     config = GenerateConfig(max_new_tokens=16)
     plain = generate(model, tok, [SHORT, MEDIUM], config=config)
-    zero = generate(model, tok, [SHORT, MEDIUM], config=config, steering=Steering(vector, alpha0=0.0, gamma=0.0))
+    zero = generate(model, tok, [SHORT, MEDIUM], config=config, hooks=[Steering(vector, alpha0=0.0, gamma=0.0)])
     assert zero.token_ids == plain.token_ids
     assert zero.settings["steering"]["layer"] == vector.layer
-    strong = generate(model, tok, [SHORT, MEDIUM], config=config, steering=Steering(vector, alpha0=4.0))
+    strong = generate(model, tok, [SHORT, MEDIUM], config=config, hooks=[Steering(vector, alpha0=4.0)])
     assert strong.token_ids != plain.token_ids  # and a real strength does act
 
 

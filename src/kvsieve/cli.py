@@ -1,9 +1,10 @@
-"""The ``kvsieve`` command: methods, generate, demo."""
+"""The ``kvsieve`` command: methods, generate, demo, bench, steering build, lm-eval (and, registered\nfrom ``eval.cli`` and ``analysis.commands``, eval, report and analyze)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from typing import List, Optional
 
 import typer
@@ -55,11 +56,12 @@ def _set_threads(threads):
     set_threads(threads)
 
 
-def _usage_error(err: ValueError, **kwargs) -> typer.BadParameter:
-    """``err`` as a usage error of ``kvsieve generate``, in its flags (``kvsieve.eval.cli.usage_error``)."""
+def _usage_error(err: ValueError, command=None, **kwargs) -> typer.BadParameter:
+    """``err`` as a usage error of typer command function ``command`` (default: ``kvsieve generate``),
+    in its flags (``kvsieve.eval.cli.usage_error``)."""
     from .eval.cli import usage_error
 
-    return usage_error(err, generate, **kwargs)
+    return usage_error(err, command or generate, **kwargs)
 
 
 def _policy(method, budget, allocator, sinks, recent, interval, settings, protect_prompt=None):
@@ -185,7 +187,7 @@ def generate(
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
         try:
-            result = run_generate(lm, tokenizer, batch, policy, config, steering=steering)
+            result = run_generate(lm, tokenizer, batch, policy, config, hooks=[] if steering is None else [steering])
         except KVMemoryError as err:
             raise typer.BadParameter(str(err), param_hint="--kv-memory-gb") from None
         except ValueError as err:  # what only the batch shows: a prompt over the context, LagKV's budget fit
@@ -257,13 +259,64 @@ def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, over
         import_module(f".bench.{name}", __package__).main(ctx.args)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def steering(ctx: typer.Context, action: str = typer.Argument(..., help="build")):
-    """SkipKV steering vectors: `kvsieve steering build --model M --samples N --out FILE`
-    (options after the action; `kvsieve steering build --help` lists them)."""
-    from .steering import main as steering_main
+class Representation(str, Enum):  # a sentence's state in build_steering_vector
+    mean = "mean"
+    delimiter = "delimiter"
 
-    steering_main([action, *ctx.args])
+
+class Labels(str, Enum):  # which sentences build_steering_vector counts as Others
+    keywords = "keywords"
+    seal = "seal"
+
+
+steering_app = typer.Typer(help="SkipKV steering vectors (Sec. 4.2): `kvsieve steering build --model M --out FILE`.",
+                           no_args_is_help=True)
+app.add_typer(steering_app, name="steering")
+
+
+@steering_app.command("build")
+def steering_build(
+    model: str = typer.Option(..., help="Bundled name, local directory or hub id the vector is built for."),
+    dataset: str = typer.Option("../shared/data/gsm8k_train.jsonl",
+                                help="JSONL of problems ('question' as GSM8K, or 'problem' as MATH)."),
+    samples: int = typer.Option(500, help="Calibration problems (Sec. 5.1: 500)."),
+    skip: int = typer.Option(0, help="Start after this many rows of --dataset."),
+    layer: Optional[int] = typer.Option(
+        None, help="Decoder layer whose input is measured (default: App. A.2's layer 20 of 28, scaled by depth)."),
+    max_new_tokens: int = typer.Option(512, help="Tokens of each greedy calibration answer."),
+    representation: Representation = typer.Option(
+        Representation.mean,
+        help="A sentence's state: the mean of its tokens' (Sec. 4.2), or its preceding delimiter's (SEAL)."),
+    released: bool = typer.Option(False, "--released", help="Build V = H_O - H_E (the official code's sign)."),
+    labels: Labels = typer.Option(
+        Labels.keywords,
+        help="Others sentences: 'keywords' hold Wait/Alternatively/again (App. A.1, as decoding counts them); "
+             "'seal' contain one of SEAL's reflection/transition phrases (Sec. 4)."),
+    out: str = typer.Option(..., help="File the vector is saved to."),
+):
+    """Build a SkipKV steering vector from the model's own answers to calibration problems (Sec. 4.2)."""
+    from .checks import check_at_least
+    from .steering import RELEASED, build_steering_vector, calibration_prompts
+
+    try:
+        check_at_least("samples", samples, 1)
+        check_at_least("skip", skip, 0)
+        check_at_least("max_new_tokens", max_new_tokens, 1)
+        prompts = calibration_prompts(samples, dataset, skip)
+    except FileNotFoundError:
+        raise typer.BadParameter(f"{dataset} does not exist", param_hint="--dataset") from None
+    except ValueError as err:
+        raise _usage_error(err, steering_build) from None
+    lm, tokenizer = _load(model, "auto", "auto")
+    try:
+        vec = build_steering_vector(lm, tokenizer, prompts, layer=layer, max_new_tokens=max_new_tokens,
+                                    representation=representation.value,
+                                    direction=RELEASED["direction"] if released else "execution_minus_others",
+                                    labels=labels.value, dataset=f"{dataset} rows {skip}-{skip + samples - 1}")
+    except ValueError as err:  # a layer outside the model, too few sentences of a class
+        raise _usage_error(err, steering_build) from None
+    vec.save(out)
+    print(json.dumps({"out": out, "layer": vec.layer, **vec.settings}))
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -273,7 +326,7 @@ def lm_eval(ctx: typer.Context):
     `kvsieve lm-eval run --model kvsieve --model_args pretrained=M,method=tova,budget=256 --tasks gsm8k`
     (every lm-eval option is passed through; `kvsieve lm-eval run --help` lists them)."""
     try:
-        from .lmeval import main as lmeval_main
+        from .eval.lmeval import main as lmeval_main
     except ImportError as err:
         raise typer.BadParameter(str(err)) from None
     lmeval_main(ctx.args)

@@ -1,5 +1,8 @@
 """``generate``: encode and pad the prompts, then prefill, decode, sample and stop, top to bottom.
 
+Prompts are texts, chat message lists or token ids (``list[int]``, used as given).  Hooks
+(``policy.Hook``, e.g. SkipKV's steering) run beside the policy for one call.
+
 Token layout of a batch after left padding (P = longest prompt)::
 
     row 0:  p p p t t t t | g g g ...      p: padding (position DEAD_POS, dropped after prefill)
@@ -15,6 +18,7 @@ steps of policies whose allocation is data dependent.
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -26,11 +30,11 @@ from .attention import check_supported
 from .cache import DEAD_POS
 from .checks import InputError, SettingError, check_at_least, check_fields, shown
 from .memory import check_fits
-from .policy import Policy
+from .policy import Hook, Policy
 from .random_models import RANDOM_NOTE, is_random
 from .session import DecodeSession, _sync
 
-Prompt = str | list[dict]  # plain text, or chat messages [{"role": ..., "content": ...}]
+Prompt = str | list[dict] | list[int]  # plain text, chat messages [{"role": ..., "content": ...}], or token ids
 
 
 @dataclass
@@ -123,21 +127,48 @@ class GenerationResult:
 
 # ---------------------------------------------------------------------------- inputs
 def prompt_list(prompts) -> list[Prompt]:
-    """``prompts`` as a list of prompts: a bare string is one prompt; an item that is neither text
-    nor a list of chat messages is refused by its index (a ValueError)."""
-    if isinstance(prompts, str):
+    """``prompts`` as a list of prompts: a bare string or one list of token ids is one prompt; an
+    item that is neither text, a list of chat messages nor a list of token ids is refused by its
+    index (a ValueError)."""
+    if isinstance(prompts, torch.Tensor):
+        raise ValueError(f"prompts must be lists of token ids, not a tensor {tuple(prompts.shape)}: pass "
+                         "ids.tolist(), one list per prompt without its padding")
+    if isinstance(prompts, str) or (_is_ids(prompts) and len(prompts) > 0):
         return [prompts]
     prompts = list(prompts)
     for index, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) and not _is_chat(prompt):
-            hint = "; to pass one conversation, wrap it in a list: [messages]" if isinstance(prompt, dict) else ""
-            raise ValueError(f"prompts[{index}] must be text or a list of chat messages ({{'role': ..., "
-                             f"'content': ...}}), got {shown(prompt)}{hint}")
+        if not isinstance(prompt, str) and not _is_ids(prompt) and not _is_chat(prompt):
+            hint = ("; to pass one conversation, wrap it in a list: [messages]" if isinstance(prompt, dict) else
+                    "; pass ids.tolist(), without padding" if isinstance(prompt, torch.Tensor) else "")
+            raise ValueError(f"prompts[{index}] must be text, a list of chat messages ({{'role': ..., "
+                             f"'content': ...}}) or a list of token ids (ints), got {shown(prompt)}{hint}")
     return prompts
 
 
 def _is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+
+
+def hook_list(hooks) -> list[Hook]:
+    """``hooks`` as a list, each with ``name``, ``attach(model, tokenizer)`` and ``settings()``
+    (``policy.Hook``), their names distinct (each names its entry of the settings record)."""
+    if isinstance(hooks, Hook):
+        raise ValueError(f"hooks= takes a list of hooks: hooks=[{type(hooks).__name__}(...)]")
+    hooks = list(hooks)
+    for index, hook in enumerate(hooks):
+        if not isinstance(hook, Hook):
+            raise ValueError(f"hooks[{index}] must have name, attach(model, tokenizer) and settings() (a "
+                             f"kvsieve.policy.Hook, e.g. kvsieve.steering.Steering), got {shown(hook)}")
+    names = [hook.name for hook in hooks]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"hooks {twice} given more than once: pass one hook of each name")
+    return hooks
 
 
 def context_length(model) -> int | None:
@@ -149,7 +180,14 @@ def context_length(model) -> int | None:
 
 def check_context(model, encoded: list[list[int]], max_new_tokens: int) -> None:
     """Refuse a prompt longer than the model's context (it would be read at positions the model was
-    never trained on, and its output is garbage); warn when the new tokens would run past it."""
+    never trained on, and its output is garbage) or holding an id outside the model's vocabulary;
+    warn when the new tokens would run past the context."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for index, ids in enumerate(encoded):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InputError(f"prompt {index} holds token id {bad}, outside the model's vocabulary 0..{vocab - 1}; "
+                             "pass ids from this model's tokenizer")
     limit = context_length(model)
     if limit is None:
         return
@@ -164,10 +202,14 @@ def check_context(model, encoded: list[list[int]], max_new_tokens: int) -> None:
 
 
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], config: GenerateConfig) -> list[list[int]]:
-    """Token ids per prompt, through the chat template when the tokenizer has one."""
+    """Token ids per prompt, through the chat template when the tokenizer has one; a prompt
+    of token ids is taken as given (no template, no special tokens added)."""
     use_template = config.chat_template and getattr(tokenizer, "chat_template", None)
     encoded = []
     for prompt in prompts:
+        if _is_ids(prompt):
+            encoded.append([int(t) for t in prompt])
+            continue
         if isinstance(prompt, str) and not use_template:
             encoded.append(tokenizer(prompt).input_ids)
             continue
@@ -288,25 +330,27 @@ def generate(
     policy: Policy | None = None,
     config: GenerateConfig | None = None,
     on_token: Callable[[int, list[int]], None] | None = None,
-    steering=None,
+    hooks: Sequence[Hook] = (),
     on_finish: "FinishCallback | None" = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts with a compressed KV cache.
 
-    ``prompts`` are texts or chat message lists (a bare string is one prompt); one longer than the
-    model's context (``max_position_embeddings``) is refused.
+    ``prompts`` are texts, chat message lists or lists of token ids (a bare string, or one list of
+    ids, is one prompt; ids go to the model as given: no chat template, no special tokens); one
+    longer than the model's context (``max_position_embeddings``) is refused.
     ``policy`` defaults to no eviction.  ``on_token(row, new_token_ids)`` streams tokens as
     they are read back, every ``config.check_every`` steps (set it to 1 for token-by-token
     streaming; each read is a host sync).  ``on_finish(row, text, stats, settings)`` is called
     once per row as soon as the row ends (EOS, a stop string or the token limit), with its
     final text and statistics, so a caller can store it before the rest of the batch is done.
-    ``steering`` (optional, ``kvsieve.steering.Steering``) adds SkipKV's adaptive steering
-    vector; ``None`` leaves the model untouched.
+    ``hooks`` (``policy.Hook``) run beside the policy for this call, each attached like the
+    scorer and recorded as ``settings[hook.name]``: ``hooks=[Steering(vector)]`` adds SkipKV's
+    adaptive steering (``settings["steering"]``); none leaves the model untouched.
     """
     policy = policy or Policy(scorer=None)
     config = config or GenerateConfig()
     check_supported(model)
-    prompts = prompt_list(prompts)
+    prompts, hooks = prompt_list(prompts), hook_list(hooks)
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
     encoded = encode_prompts(tokenizer, prompts, config)
@@ -318,15 +362,17 @@ def generate(
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
     settings = policy.settings()
-    if steering is not None:
-        settings["steering"] = steering.settings()
+    for hook in hooks:
+        if hook.name in settings:
+            raise ValueError(f"hook {hook.name!r} would overwrite the settings record's {hook.name!r}; rename the hook")
+        settings[hook.name] = hook.settings()
     if is_random(model):
         settings["weights"] = RANDOM_NOTE
     rows = _Rows(tokenizer, model, encoded, config, on_token, on_finish, settings)
     session = DecodeSession(model, policy, batch_size=len(encoded), horizon=horizon, static=config.static_shapes,
                             compile=config.compile, grow_chunk=config.grow_chunk)
     generator = torch.Generator(device=model.device).manual_seed(config.seed) if config.temperature > 0 else None
-    with session.attached(tokenizer, steering):
+    with session.attached(tokenizer, *hooks):
         t0 = time.perf_counter()
         logits = session.prefill(input_ids, positions, config.prefill_chunk)
         next_token = sample(logits, config, generator)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, ContextManager, Protocol, runtime_checkable
 
 import torch
 
@@ -184,6 +184,24 @@ class HostHooks:
     def of(yielded: "HostHooks | Callable | None") -> "HostHooks":
         """What an ``attach`` yielded, as ``HostHooks`` (a bare callable is ``on_tokens``)."""
         return yielded if isinstance(yielded, HostHooks) else HostHooks(on_tokens=yielded)
+
+
+@runtime_checkable
+class Hook(Protocol):
+    """Something ``generate(..., hooks=[...])`` runs beside the policy for one call (SkipKV's
+    adaptive steering, ``kvsieve.steering.Steering``, is one).
+
+    ``attach(model, tokenizer)`` is the contract a scorer's ``attach`` has: a context manager
+    scoped to the call that may yield ``HostHooks`` (or a bare ``on_tokens``).  ``settings()``
+    is stored in the call's settings record under ``name`` (``settings["steering"]``), so
+    results say what ran.
+    """
+
+    name: str
+
+    def attach(self, model, tokenizer) -> ContextManager: ...
+
+    def settings(self) -> dict: ...
 
 
 @dataclass

@@ -1,12 +1,11 @@
-"""SkipKV's generation side: sentence token sets, adaptive steering, batch grouping.
+"""SkipKV's adaptive steering: build the steering vector, and inject it while decoding.
 
 Based on Tian et al., "SkipKV: Selective Skipping of KV Generation and Storage for Efficient
 Inference with Large Reasoning Models" (arXiv:2512.07993); official code
 github.com/TTTTTTris/SkipKV.
 
-* **Sentences** (App. A.1): a sentence ends at (and includes) a token of the newline delimiter
-  set D; a sentence holding a token of the keyword set N is a non-execution thought ("Others").
-  Both sets are token texts, turned into vocabulary ids once per tokenizer (``vocab_ids``).
+* **Sentences** (App. A.1): the delimiter set D and keyword set N, as token ids, and the count
+  of Others sentences live in ``kvsieve.methods._sentences``, shared with SkipKV's scorer.
 * **Steering vector** (Sec. 4.2, 5.1; SEAL's recipe): V = mean hidden state of execution
   sentences - mean hidden state of Others sentences, at the input of decoder layer ``layer``
   (``output_hidden_states[layer]`` in transformers' numbering), from the model's own greedy
@@ -14,8 +13,10 @@ github.com/TTTTTTris/SkipKV.
   Others sentences are labelled by App. A.1's keywords (default) or by SEAL's reflection and
   transition phrases (``labels="seal"``, the definition Sec. 4 follows).
 * **Adaptive steering** (Alg. 2 lines 19, 26-27): H_k <- H_k + alpha_t V with, per row,
-  alpha_t = alpha_0 + gamma * N_o, N_o the row's closed Others sentences so far (``Steering``).
-* **Batch grouping** (Sec. 4.3, Eq. 12): ``group_by_prefill_length``.
+  alpha_t = alpha_0 + gamma * N_o, N_o the row's closed Others sentences so far (``Steering``,
+  a ``policy.Hook`` for ``generate(..., hooks=[...])``).
+* Batch grouping (Sec. 4.3, Eq. 12) is ``kvsieve.data.batching``; the command line that builds
+  a vector is ``kvsieve steering build`` (``kvsieve.cli``).
 
 Injection is a forward *pre*-hook on decoder layer ``layer``, registered by
 ``Steering.attach`` for one ``generate`` call and removed in its ``finally``.  Why a hook and
@@ -28,7 +29,7 @@ where the vector was measured, so build and injection use one tensor.  Nothing i
 Usage::
 
     vec = build_steering_vector(model, tok, calibration_prompts(500))      # or SteeringVector.load
-    out = kvsieve.generate(model, tok, prompts, policy, steering=Steering(vec, alpha0=1.0))
+    out = kvsieve.generate(model, tok, prompts, policy, hooks=[Steering(vec, alpha0=1.0)])
 
 Release preset (``RELEASED``): the official scripts build V = H_O - H_E and steer with
 ``coef = -1.25 - 0.02 * N_o`` (the same direction as the paper's +1.25 on E - O), only on
@@ -40,21 +41,19 @@ and the 128-token strength update are not reproduced (the bundled models have no
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
 from .cache import DEAD_POS
 from .checks import check_fields
+from .methods._sentences import DELIMITERS, KEYWORDS, OthersCounter, sentence_spans, vocab_ids
 
-DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")  # App. A.1, newline delimiter set D
-KEYWORDS = ("Wait", "Alternatively", "again")  # App. A.1, non-executable keyword set N
 PAPER_LAYER_FRACTION = 20 / 28  # App. A.2: layer 20 of R1-Qwen-7B's 28 (35/48 for 14B is 0.73)
 MIN_SENTENCES = 20  # below this many sentences on either side, build_steering_vector warns (kvsieve's choice)
 # SEAL's thought classes (Chen et al., 2025, arXiv:2504.07986, as its released classification step
@@ -65,63 +64,6 @@ SEAL_PHRASES = ("alternatively", "think differently", "another way", "another ap
                 "wait", "verify", "make sure", "hold on", "think again", "'s correct", "'s incorrect",
                 "let me check", "seems right")  # reflection
 RELEASED = {"direction": "others_minus_execution", "alpha0": -1.25, "gamma": -0.02, "positions": "paragraph"}
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_vocab(tokenizer) -> tuple[str, ...]:
-    return tuple(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
-
-
-def _decoded_vocab(tokenizer) -> tuple[str, ...]:
-    """Each vocabulary id's text (0.3 s for 49k tokens; cached per tokenizer object)."""
-    try:
-        return _cached_vocab(tokenizer)
-    except TypeError:  # an unhashable tokenizer class
-        return _cached_vocab.__wrapped__(tokenizer)
-
-
-def vocab_ids(tokenizer, texts: Sequence[str], strip: bool = False, contains: bool = False) -> torch.Tensor:
-    """Ids of vocabulary tokens whose decoded text equals one of ``texts`` (``strip``: after
-    removing surrounding whitespace, so " Wait" matches "Wait"; ``contains``: holds one)."""
-    wanted = set(texts)
-    vocab = _decoded_vocab(tokenizer)
-    if contains:
-        hits = [i for i, t in enumerate(vocab) if any(w in t for w in wanted)]
-    else:
-        hits = [i for i, t in enumerate(vocab) if (t.strip() if strip else t) in wanted]
-    return torch.tensor(hits, dtype=torch.long)
-
-
-class OthersCounter:
-    """Per-row count N_o of closed sentences labelled Others (Alg. 2 lines 5-7, 26), updated
-    from each forward's tokens without host syncs.  State is indexed by original batch row."""
-
-    def __init__(self, delimiter_ids: torch.Tensor, keyword_ids: torch.Tensor):
-        self.delimiter_ids, self.keyword_ids = delimiter_ids, keyword_ids
-        self.n_others: torch.Tensor | None = None  # [R] closed Others sentences
-        self.open_has_keyword: torch.Tensor | None = None  # [R] the open sentence holds a keyword
-
-    def counts(self, rows: torch.Tensor) -> torch.Tensor:
-        """[B] N_o of each row (the first call, with the whole batch, allocates the state)."""
-        if self.n_others is None:
-            self.n_others = torch.zeros(rows.numel(), dtype=torch.long, device=rows.device)
-            self.open_has_keyword = torch.zeros_like(self.n_others, dtype=torch.bool)
-        return self.n_others[rows]
-
-    def update(self, token_ids: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor) -> None:
-        """token_ids, query_pos: [B, T] (DEAD_POS on padding); rows: [B] original row ids."""
-        self.counts(rows)
-        B, T = token_ids.shape
-        real = query_pos != DEAD_POS
-        end = torch.isin(token_ids, self.delimiter_ids) & real
-        keyword = torch.isin(token_ids, self.keyword_ids) & real
-        segment = end.cumsum(1) - end.long()  # [B, T] sentence index inside this chunk; 0 = the open one
-        hits = torch.zeros(B, T + 1, dtype=torch.long, device=token_ids.device).scatter_add_(1, segment, keyword.long())
-        hits[:, 0] += self.open_has_keyword[rows].long()
-        n_end = end.sum(1)  # [B]
-        closed = torch.arange(T + 1, device=token_ids.device) < n_end[:, None]
-        self.n_others[rows] += ((hits > 0) & closed).sum(1)
-        self.open_has_keyword[rows] = hits.gather(1, n_end[:, None]).squeeze(1) > 0
 
 
 # ---------------------------------------------------------------------------- the vector
@@ -234,16 +176,6 @@ def _layer_input(model, layer: int, edit):
         handle.remove()
 
 
-def sentence_spans(token_ids: list[int], delimiters: set[int]) -> list[tuple[int, int]]:
-    """Closed sentences [start, end] (end = the delimiter, inclusive) of a token list (App. A.1)."""
-    spans, start = [], 0
-    for i, tok in enumerate(token_ids):
-        if tok in delimiters:
-            spans.append((start, i))
-            start = i + 1
-    return spans
-
-
 @torch.inference_mode()
 def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | None = None,
                           responses: Sequence[str] | None = None, max_new_tokens: int = 512,
@@ -270,10 +202,11 @@ def build_steering_vector(model, tokenizer, prompts: Sequence, *, layer: int | N
     if labels not in ("keywords", "seal"):
         raise ValueError(f"labels must be 'keywords' (App. A.1's set N) or 'seal' (SEAL's phrases), got {labels!r}")
     layer = default_layer(model.config.num_hidden_layers) if layer is None else layer
+    _decoder_layer(model, layer)  # a layer the model lacks fails before any answer is generated
     config = GenerateConfig(max_new_tokens=max_new_tokens)
     encoded = encode_prompts(tokenizer, prompts, config)
     if responses is None:
-        answers = generate(model, tokenizer, prompts, config=config).token_ids
+        answers = generate(model, tokenizer, encoded, config=config).token_ids  # ids: encoded once
     else:
         answers = [tokenizer(r, add_special_tokens=False).input_ids for r in responses]
     delim = set(vocab_ids(tokenizer, delimiters).tolist())
@@ -340,7 +273,8 @@ def calibration_prompts(n: int, path: str | Path = "../shared/data/gsm8k_train.j
 # ---------------------------------------------------------------------------- injection
 @dataclass
 class Steering:
-    """Adaptive steering for one ``generate`` call (Sec. 4.2, Alg. 2 lines 19, 26-27).
+    """Adaptive steering for one ``generate`` call (Sec. 4.2, Alg. 2 lines 19, 26-27), a
+    ``policy.Hook``: ``generate(..., hooks=[Steering(vector)])``.
 
     Parameters
     ----------
@@ -362,6 +296,7 @@ class Steering:
     gamma = -0.02 push the same way as the paper's +1.25 and +0.02 on E - O.
     """
 
+    name: ClassVar[str] = "steering"  # its entry in generate's settings record (policy.Hook)
     vector: SteeringVector
     alpha0: float = 1.0
     gamma: float = 0.02
@@ -429,62 +364,3 @@ class Steering:
 
         with _layer_input(model, self.vector.layer, edit):
             yield on_tokens
-
-
-# ---------------------------------------------------------------------------- batching
-def group_by_prefill_length(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Sec. 4.3: sort prompts by prefill length, then cut into batches of ``batch_size``.
-
-    Returns prompt indices per batch; run each batch with ``generate`` and scatter results
-    back by index.  In kvsieve padding never counts against the budget (padding slots are
-    dropped after prefill and budgets count live tokens per row), so Eq. 12's B' = B holds
-    without grouping; grouping still removes padded prefill compute and prefill memory.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def padding_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> int:
-    """Sum over prompts of Delta_pad = N_p^max - N_p within its batch (Eq. 12)."""
-    return sum(max(lengths[i] for i in b) - lengths[i] for b in batches for i in b)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``kvsieve steering build --model M --samples N --out FILE``."""
-    import argparse
-
-    from .models import load_model
-
-    parser = argparse.ArgumentParser(prog="kvsieve steering")
-    build = parser.add_subparsers(dest="command", required=True).add_parser("build", help="build a SkipKV steering vector (Sec. 4.2)")
-    build.add_argument("--model", required=True)
-    build.add_argument("--dataset", default="../shared/data/gsm8k_train.jsonl",
-                       help="JSONL of problems ('question' as GSM8K, or 'problem' as MATH)")
-    build.add_argument("--samples", type=int, default=500)  # Sec. 5.1: 500 problems
-    build.add_argument("--skip", type=int, default=0, help="start after this many rows of --dataset")
-    build.add_argument("--layer", type=int, default=None)
-    build.add_argument("--max-new-tokens", type=int, default=512)
-    build.add_argument("--representation", choices=("mean", "delimiter"), default="mean")
-    build.add_argument("--released", action="store_true", help="build V = H_O - H_E (official code's sign)")
-    build.add_argument("--labels", choices=("keywords", "seal"), default="keywords",
-                       help="Others sentences: 'keywords' hold Wait/Alternatively/again (App. A.1, as decoding "
-                            "counts them); 'seal' contain one of SEAL's reflection/transition phrases (Sec. 4)")
-    build.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    model, tok = load_model(args.model)
-    try:
-        vec = build_steering_vector(model, tok, calibration_prompts(args.samples, args.dataset, args.skip), layer=args.layer,
-                                    max_new_tokens=args.max_new_tokens, representation=args.representation,
-                                    direction=RELEASED["direction"] if args.released else "execution_minus_others",
-                                    labels=args.labels,
-                                    dataset=f"{args.dataset} rows {args.skip}-{args.skip + args.samples - 1}")
-    except ValueError as err:
-        raise SystemExit(f"error: {err}")
-    vec.save(args.out)
-    print(json.dumps({"out": args.out, "layer": vec.layer, **vec.settings}))
-
-
-if __name__ == "__main__":
-    main()

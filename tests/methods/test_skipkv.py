@@ -11,9 +11,9 @@ from kvsieve import schedule as schedule_module
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.generate import encode_prompts
 from kvsieve.methods import make_policy
+from kvsieve.methods._sentences import DELIMITERS, vocab_ids
 from kvsieve.methods.skipkv import SentenceTable, SkipKV
 from kvsieve.policy import compress_layer
-from kvsieve.steering import DELIMITERS, vocab_ids
 
 END = 0  # the delimiter token id in the hand-made tests
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template

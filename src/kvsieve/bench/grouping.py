@@ -22,7 +22,7 @@ import time
 from ..data import load_dataset
 from ..generate import GenerateConfig, encode_prompts, generate
 from ..methods import make_policy
-from ..steering import group_by_prefill_length, padding_tokens
+from ..data.batching import group_by_prefill_length, padding_tokens
 from .common import add_compile_arg, add_model_args, load_for, machine, profiled, write
 
 

@@ -167,7 +167,7 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
             on_row(rows[index])
 
     generate(model, tokenizer, [s.messages for s in samples], policy, gen_config,
-             steering=steering if steered else None, on_finish=finished)
+             hooks=[steering] if steered else [], on_finish=finished)
     return [rows[i] for i in range(len(samples))]
 
 

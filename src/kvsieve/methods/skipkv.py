@@ -29,7 +29,8 @@ norm's output (the last-layer hidden states) with a read-only forward hook scope
 second forward pass, nothing global.  (``output_hidden_states=-1`` would need the engine's model
 call to change and makes transformers keep capture hooks on every decoder layer for the model's
 lifetime.)  If a wrapper does not forward ``attach``, P stays empty and a warning says so.
-Adaptive steering and batch grouping: ``kvsieve.steering``.
+Sentence token sets: ``_sentences.py`` (shared with adaptive steering, ``kvsieve.steering``);
+batch grouping: ``kvsieve.data.batching``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ..attention import visible, window_attention
 from ..cache import DEAD_POS
 from ..policy import About, Defaults, HostHooks, Needs, Scorer, check_choice, pool_along_sequence, register
 from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, softmax_similarity_mean, unit_keys
-from ..steering import DELIMITERS, vocab_ids
+from ._sentences import DELIMITERS, vocab_ids
 
 
 class SentenceTable:

@@ -3,13 +3,13 @@
 Install with ``pip install 'kvsieve[lmeval]'``; then either of::
 
     kvsieve lm-eval run --model kvsieve --model_args pretrained=DIR,method=tova,budget=256 --tasks gsm8k
-    python -m kvsieve.lmeval run --model kvsieve --model_args pretrained=DIR,method=tova,budget=256 --tasks gsm8k
+    python -m kvsieve.eval.lmeval run --model kvsieve --model_args pretrained=DIR,method=tova,budget=256 --tasks gsm8k
 
 runs the harness's own command line (``run``, ``ls``, ``validate``; every harness option is
 passed through) with this model registered.  ``lm-eval`` releases that discover plugins from
 the ``lm_eval.models`` entry-point group (harness main branch from 2026-09; not yet 0.4.13) find
 the model without the wrapper: ``lm-eval run --model kvsieve ...``.  lm-eval 0.4.13 and older
-have no such discovery, so there the wrapper above, or ``import kvsieve.lmeval`` before
+have no such discovery, so there the wrapper above, or ``import kvsieve.eval.lmeval`` before
 ``lm_eval.simple_evaluate(model="kvsieve", ...)``, is what registers it.
 
 Model arguments (``--model_args k=v,k=v``):
@@ -44,9 +44,8 @@ What each request type measures:
     difference is the continuation's own log-probability under the compressed cache.  One token
     per forward pass: far slower than ``full`` on long contexts.
     ``is_greedy`` under a compressed method comes from greedy ``kvsieve.generate`` from the
-    context (the ``generate_until`` regime: full prefill, then compression), since the
-    teacher-forcing scorer reports sums only; it is ``False`` (with a warning) for a context that
-    does not survive a decode/encode round trip.
+    context's token ids (the ``generate_until`` regime: full prefill, then compression), since
+    the teacher-forcing scorer reports sums only.
 
 KV statistics (peak live tokens per kv head, compression events, peak bytes) of every request
 are summed in ``KVSieveLM.kv_stats`` and written to the results under ``config.kvsieve``.
@@ -69,7 +68,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kvsieve.lmeval needs lm-evaluation-harness: pip install 'kvsieve[lmeval]'") from err
+    raise ImportError("kvsieve.eval.lmeval needs lm-evaluation-harness: pip install 'kvsieve[lmeval]'") from err
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +148,8 @@ class KVSieveLM(TemplateLM):
                  device: str | None = None, dtype: str = "auto", prefill_chunk: int | None = None,
                  sampling_seed: int = 0, tokenizer=None, **settings):
         super().__init__()
-        from .methods import make_policy
-        from .models import load_model
+        from ..methods import make_policy
+        from ..models import load_model
 
         if method == "full" and (settings or budget is not None):
             given = sorted(settings) + (["budget"] if budget is not None else [])
@@ -289,41 +288,37 @@ class KVSieveLM(TemplateLM):
         return (tuple(until), int(limit), temperature, float(kwargs.get("top_p") or 1.0),
                 int(kwargs.get("top_k") or 0), int(kwargs.get("seed") or self.sampling_seed))
 
-    def _prompt(self, context: str, max_gen_toks: int) -> tuple[str, int]:
-        """The prompt text handed to kvsieve.generate and its length in tokens."""
+    def _prompt(self, context: str, max_gen_toks: int) -> list[int]:
+        """The prompt's token ids handed to kvsieve.generate (its end, when over max_length - max_gen_toks)."""
         if self._adds_bos and self.tokenizer.bos_token and context.startswith(self.tokenizer.bos_token):
             context = context[len(self.tokenizer.bos_token):]  # a chat template's BOS: the tokenizer adds its own
-        ids = self.tok_encode(context)
-        if not ids:
-            context, ids = self.tokenizer.decode([self.prefix_token_id]), [self.prefix_token_id]
+        ids = self.tok_encode(context) or [self.prefix_token_id]
         room = self.max_length - max_gen_toks
         if room < 1:
             raise ValueError(f"max_gen_toks {max_gen_toks} leaves no room for a prompt in max_length {self.max_length}")
         if len(ids) > room:
             self._warn_once("truncate", f"prompts over {room} tokens (max_length - max_gen_toks) lose their start")
             ids = ids[-room:]
-            context = self.tokenizer.decode(ids)
-        return context, len(ids)
+        return ids
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from kvsieve import GenerateConfig, generate
+        from ..generate import GenerateConfig, generate
 
         outputs: list[str | None] = [None] * len(requests)
-        groups: dict[tuple, list[tuple[int, str, int]]] = defaultdict(list)
+        groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args[0], req.args[1]
             settings = self._gen_settings(gen_kwargs)
-            prompt, length = self._prompt(context, settings[1])
-            groups[settings].append((i, prompt, length))
+            groups[settings].append((i, self._prompt(context, settings[1])))
         bar = tqdm(total=len(requests), desc="kvsieve generate_until", disable=disable_tqdm)
         for (until, limit, temperature, top_p, top_k, seed), items in groups.items():
             config = GenerateConfig(max_new_tokens=limit, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                     stop_strings=until, prefill_chunk=self.prefill_chunk, chat_template=False)
-            items.sort(key=lambda item: -item[2])  # similar lengths together: less left padding
+            items.sort(key=lambda item: -len(item[1]))  # similar lengths together: less left padding
             for start in range(0, len(items), self.batch_size):
                 batch = items[start:start + self.batch_size]
-                result = generate(self.model, self.tokenizer, [p for _, p, _ in batch], self.policy, config)
-                for (i, _, _), text, stat in zip(batch, result.texts, result.stats):
+                result = generate(self.model, self.tokenizer, [ids for _, ids in batch], self.policy, config)
+                for (i, _), text, stat in zip(batch, result.texts, result.stats):
                     outputs[i] = text
                     self.stats["generate_until"].add(stat.peak_kv_tokens, stat.final_kv_tokens, self.kv_heads,
                                                      stat.prompt_tokens + stat.generated_tokens, stat.generated_tokens,
@@ -386,7 +381,7 @@ class KVSieveLM(TemplateLM):
 
     def _compressed_scores(self, pieces, disable_tqdm: bool, need_greedy: bool) -> list[tuple[float, bool]]:
         """Teacher forcing through the compressed cache (kvsieve.eval.perplexity.score_text)."""
-        from .eval.perplexity import score_text
+        from .perplexity import score_text
 
         context_nll: dict[tuple[int, ...], float] = {}
 
@@ -412,38 +407,24 @@ class KVSieveLM(TemplateLM):
         greedy = self._greedy_matches(pieces) if need_greedy else [False] * len(pieces)
         return list(zip(logprobs, greedy))
 
-    def _context_text(self, strings, ctx: list[int], cut: int) -> str | None:
-        """Text that kvsieve.generate encodes to exactly ``ctx``, or None."""
-        candidates = [strings[0].rstrip()] if strings is not None and strings[0] and not cut else []
-        candidates.append(self.tokenizer.decode(ctx))
-        if self._adds_bos and ctx[:1] == [self.tokenizer.bos_token_id]:
-            candidates.append(self.tokenizer.decode(ctx[1:]))
-        return next((text for text in candidates if text and self.tok_encode(text) == ctx), None)
-
     def _greedy_matches(self, pieces) -> list[bool]:
         """Would greedy decoding under the policy produce each continuation? One generation per context."""
-        from kvsieve import GenerateConfig, generate
+        from ..generate import GenerateConfig, generate
 
-        wanted: dict[str, int] = {}  # context text -> longest continuation asked of it
-        texts: list[str | None] = []
-        for strings, ctx, cont, cut in pieces:
-            text = self._context_text(strings, ctx, cut) if cont else None
-            texts.append(text)
-            if text is not None:
-                wanted[text] = max(wanted.get(text, 0), len(cont))
-            elif cont:
-                self._warn_once("greedy", "is_greedy is False for contexts that do not round-trip through the "
-                                          "tokenizer (kvsieve.generate takes text)")
-        produced: dict[str, list[int]] = {}
+        wanted: dict[tuple[int, ...], int] = {}  # context ids -> longest continuation asked of it
+        for _, ctx, cont, _ in pieces:
+            if cont and ctx:
+                wanted[tuple(ctx)] = max(wanted.get(tuple(ctx), 0), len(cont))
+        produced: dict[tuple[int, ...], list[int]] = {}
         items = sorted(wanted.items(), key=lambda kv: -kv[1])
         for start in range(0, len(items), self.batch_size):
             batch = items[start:start + self.batch_size]
             config = GenerateConfig(max_new_tokens=max(n for _, n in batch), prefill_chunk=self.prefill_chunk,
                                     chat_template=False, ignore_eos=True)
-            result = generate(self.model, self.tokenizer, [t for t, _ in batch], self.policy, config)
-            produced.update({t: ids for (t, _), ids in zip(batch, result.token_ids)})
-        return [text is not None and produced[text][:len(cont)] == list(cont)
-                for text, (_, _, cont, _) in zip(texts, pieces)]
+            result = generate(self.model, self.tokenizer, [list(ctx) for ctx, _ in batch], self.policy, config)
+            produced.update({ctx: ids for (ctx, _), ids in zip(batch, result.token_ids)})
+        return [tuple(ctx) in produced and produced[tuple(ctx)][:len(cont)] == list(cont)
+                for _, ctx, cont, _ in pieces]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
@@ -476,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # `python -m kvsieve.lmeval`: register through the importable module, not this __main__ copy
-    from kvsieve.lmeval import main as _main
+    # `python -m kvsieve.eval.lmeval`: register through the importable module, not this __main__ copy
+    from kvsieve.eval.lmeval import main as _main
 
     _main()
