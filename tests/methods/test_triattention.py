@@ -257,3 +257,57 @@ def test_statistics_of_another_model_are_refused_naming_both(smollm, smol_stats,
             SieveCache.for_model(model, "triattention", 16, stats=path)
     finally:
         model.set_attn_implementation(previous)
+
+
+# ---------------------------------------------------------------------------- the analysis and the commands
+def test_the_predicted_preference_is_the_centre_query_at_distance_d_dotted_with_the_centre_key():
+    from kvsieve.analysis.qk import predicted_preference
+
+    stats = random_stats(seed=7, scaling=1.2)
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(1, 2, F, dtype=torch.complex128, generator=g), torch.randn(1, 2, F, dtype=torch.complex128,
+                                                                                    generator=g)
+    got = predicted_preference(q, k, stats.inv_freq, 1.2, torch.arange(6))  # [1, 2, 6]
+    for h in range(2):
+        q_real, k_real = torch.cat([q[0, h].real, q[0, h].imag]), torch.cat([k[0, h].real, k[0, h].imag])
+        ref = [float(rope(q_real, 10 + d, stats.inv_freq, 1.2) @ rope(k_real, 10, stats.inv_freq, 1.2))
+               for d in range(6)]
+        assert got[0, h].tolist() == pytest.approx(ref, rel=1e-9, abs=1e-9)
+
+
+def test_calibrate_and_analyze_commands_write_their_files_and_refuse_bad_data(smollm, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvsieve.cli import app
+
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
+                            + "\n" for i in range(30)))
+    runner = CliRunner()
+    stats = tmp_path / "stats.pt"
+    result = runner.invoke(app, ["calibrate", "triattention", "--data", str(data), "--out", str(stats),
+                                 "--tokens", "256", "--chunk", "128"])
+    assert result.exit_code == 0, result.output
+    assert "256 tokens" in result.output
+    saved = QueryStats.read(stats).check(smollm[0])
+    assert saved.q_mean.shape == (30, 9, 32, 2) and saved.settings["tokens"] == 256
+    result = runner.invoke(app, ["generate", "--method", "triattention", "--budget", "16", "--set", f"stats={stats}",
+                                 "--max-new-tokens", "4", "Hi"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "qk"
+    result = runner.invoke(app, ["analyze", "qk", "--data", str(data), "--out", str(out), "--tokens", "256",
+                                 "--chunk", "128", "--max-distance", "32"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "qk.json").read_text())
+    assert len(summary["heads"]) == 30 * 9 and len(summary["heads"][0]["measured_logit"]) == 33
+    assert all(-1 <= h["correlation"] <= 1 and 0 <= h["q_concentration"] <= 1 for h in summary["heads"])
+    assert (out / "qk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.jsonl").write_text('{"question": "ok"}\nnot json\n')
+    for args, message in ((["--data", str(tmp_path / "none.jsonl")], "is not a file"),
+                          (["--data", str(tmp_path / "bad.jsonl")], "bad.jsonl:2 is not a JSON line"),
+                          (["--data", str(data), "--chunk", "1"], "chunk must be >= 2")):
+        result = runner.invoke(app, ["calibrate", "triattention", "--out", str(tmp_path / "x.pt"), *args],
+                               env={"COLUMNS": "250"})
+        assert result.exit_code == 2 and message in result.output, result.output

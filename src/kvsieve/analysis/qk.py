@@ -17,8 +17,9 @@ from position 0.
   of the head equals its centre in every pair's direction; 0: no common direction);
 * the distance preference the centres predict: the series
   s^2 sum_f |q_bar_f| |k_bar_f| cos(w_f d + arg(q_bar_f conj(k_bar_f))) at distance d, against
-  the mean attention logit the head really gives a key d tokens back (and the mean attention
-  weight), with their Pearson correlation.
+  the mean attention logit the head really gives a key d tokens back, with their Pearson
+  correlation (and the same against the mean softmax weight at distance d, which the causal
+  softmax also shapes: a query sees fewer keys near the start of a chunk).
 """
 
 from __future__ import annotations
@@ -217,6 +218,10 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(dim=-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp(min=1e-30)
 
 
+def rounded(curve: torch.Tensor) -> list[float]:
+    return [float(f"{x:.5g}") for x in curve.tolist()]
+
+
 def analyze(model, tokenizer, texts: list[str], out: str | Path, tokens: int = 2048, chunk: int = 512,
             max_distance: int = 128, info: dict | None = None) -> dict:
     """Concentration and distance preference of every head; writes ``qk.json`` and ``qk.png`` in ``out``."""
@@ -232,14 +237,16 @@ def analyze(model, tokenizer, texts: list[str], out: str | Path, tokens: int = 2
     measured = capture.logit_sum / count  # [L, Hq, M]
     weights = capture.weight_sum / count
     r = pearson(predicted, measured)  # [L, Hq]
+    r_weight = pearson(predicted, weights)  # the same against the mean softmax weight
     q_conc, k_conc = capture.queries.concentration(), capture.keys.concentration()
     summary = {**(info or {}), "tokens": fed, "chunk": chunk, "max_distance": max_distance,
                "q_concentration_mean": float(q_conc.mean()), "k_concentration_mean": float(k_conc.mean()),
                "correlation_median": float(r.median()), "correlation_mean": float(r.mean()),
+               "weight_correlation_median": float(r_weight.median()),
                "heads": [{"layer": l, "head": h, "kv_head": h // group, "q_concentration": float(q_conc[l, h]),
                           "k_concentration": float(k_conc[l, h // group]), "correlation": float(r[l, h]),
-                          "predicted_logit": predicted[l, h].tolist(), "measured_logit": measured[l, h].tolist(),
-                          "measured_weight": weights[l, h].tolist()}
+                          "weight_correlation": float(r_weight[l, h]), "predicted_logit": rounded(predicted[l, h]),
+                          "measured_logit": rounded(measured[l, h]), "measured_weight": rounded(weights[l, h])}
                          for l in range(r.shape[0]) for h in range(r.shape[1])]}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,6 +261,7 @@ def plot(q_conc, k_conc, predicted, measured, r, path: Path, info: dict) -> Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, values, title in ((axes[0, 0], q_conc, "Q concentration (mean resultant length)"),
@@ -261,7 +269,8 @@ def plot(q_conc, k_conc, predicted, measured, r, path: Path, info: dict) -> Path
                               (axes[0, 2], r, "corr(predicted, measured logit by distance)")):
         image = ax.imshow(values.T.numpy(), aspect="auto", origin="lower", cmap="viridis",
                           vmin=-1 if values is r else 0, vmax=1)
-        ax.set(title=title, xlabel="layer", ylabel="head")
+        ax.set(title=title, xlabel="layer", ylabel="head" if values is not k_conc else "kv head")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(image, ax=ax)
     flat = r.flatten()
     order = flat.argsort(descending=True)
