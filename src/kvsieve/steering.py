@@ -163,12 +163,7 @@ class SteeringVector:
     def read(cls, path: str | Path) -> "SteeringVector":
         """The vector saved at ``path``, not yet checked against a model (``check``)."""
         hint = "build one with: kvsieve steering build --model MODEL --out FILE"
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise ValueError(f"steering vector file {path} does not exist; {hint}") from None
-        except Exception as err:  # torch raises several kinds on a file it cannot read
-            raise ValueError(f"{path} is not a steering vector file ({type(err).__name__}); {hint}") from None
+        data = load_saved(path, "steering vector", hint)
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or not {"vector", "layer", "model_name", "fingerprint"} <= set(data) <= names:
             raise ValueError(f"{path} is not a steering vector file (expected the fields {sorted(names)}); {hint}")
@@ -176,12 +171,11 @@ class SteeringVector:
 
     def check(self, model, source: str | Path = "") -> "SteeringVector":
         """Refuse a vector measured on another model (by name and shape); returns ``self``."""
-        if self.fingerprint != model_fingerprint(model) or self.model_name != model_name(model):
+        other = other_model(self.model_name, self.fingerprint, model)
+        if other:
             where = f" {source}" if source else ""
-            raise SteeringModelError(
-                f"steering vector{where} was built for {self.model_name} {self.fingerprint}, not for "
-                f"{model_name(model)} {model_fingerprint(model)}; build one for this model "
-                "(kvsieve steering build --model ...)")
+            raise SteeringModelError(f"steering vector{where} was {other}; build one for this model "
+                                     "(kvsieve steering build --model ...)")
         return self.fits(model)
 
     @classmethod
@@ -204,6 +198,25 @@ def model_name(model) -> str:
 def model_fingerprint(model) -> dict:
     c = model.config
     return {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
+
+
+def other_model(name: str, fingerprint: dict, model) -> str | None:
+    """"built for NAME {fingerprint}, not for MODEL {its fingerprint}" when a file made for the model
+    ``name`` with ``fingerprint`` does not belong to ``model``; None when it does."""
+    if fingerprint == model_fingerprint(model) and name == model_name(model):
+        return None
+    return f"built for {name} {fingerprint}, not for {model_name(model)} {model_fingerprint(model)}"
+
+
+def load_saved(path: str | Path, what: str, hint: str):
+    """What ``torch.save`` wrote at ``path`` (tensors and plain data only), or a ValueError naming
+    ``what`` the file should hold and ``hint``, how to make one."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{what} file {path} does not exist; {hint}") from None
+    except Exception as err:  # torch raises several kinds on a file it cannot read
+        raise ValueError(f"{path} is not a {what} file ({type(err).__name__}); {hint}") from None
 
 
 def default_layer(num_layers: int) -> int:

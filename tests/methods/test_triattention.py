@@ -249,11 +249,11 @@ def test_statistics_of_another_model_are_refused_naming_both(smollm, smol_stats,
     other = QueryStats.read(smol_stats)
     other.model_name, other.fingerprint = "Qwen2.5-Coder-1.5B-Instruct", {**other.fingerprint, "hidden_size": 1536}
     path = saved(other, tmp_path, "other.pt")
-    with pytest.raises(StatsModelError, match="calibrated on Qwen2.5-Coder-1.5B-Instruct .*not on smollm2-135m"):
+    with pytest.raises(StatsModelError, match="built for Qwen2.5-Coder-1.5B-Instruct .*not for smollm2-135m"):
         run(smollm, [SHORT], make_policy("triattention", 16, stats=path), n=4)
     previous = model.config._attn_implementation
     try:
-        with pytest.raises(StatsModelError, match="calibrated on Qwen2.5"):
+        with pytest.raises(StatsModelError, match="were built for Qwen2.5"):
             SieveCache.for_model(model, "triattention", 16, stats=path)
     finally:
         model.set_attn_implementation(previous)

@@ -66,15 +66,21 @@ def register_mri(app) -> None:
     app.add_typer(group, name="analyze")
 
 
+def analyze_group(app, caller: str):
+    """The app's ``analyze`` typer group, which ``register_mri`` creates (``caller`` names who needs it)."""
+    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
+    if group is None:
+        raise ValueError(f"{caller}: the app has no 'analyze' group; register kvsieve.analysis.mri first")
+    return group
+
+
 def register_retention(app) -> None:
     """Add ``retention`` to the app's existing ``analyze`` typer group."""
     import typer
     from rich.console import Console
     from rich.table import Table
 
-    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
-    if group is None:
-        raise ValueError("retention.register: the app has no 'analyze' group; register kvsieve.analysis.mri first")
+    group = analyze_group(app, "retention.register")
 
     @group.command("retention")
     def retention(
@@ -174,9 +180,7 @@ def register_qk(app) -> None:
     """Add ``qk`` to the app's existing ``analyze`` typer group."""
     import typer
 
-    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
-    if group is None:
-        raise ValueError("register_qk: the app has no 'analyze' group; register_mri first")
+    group = analyze_group(app, "register_qk")
 
     @group.command("qk")
     def qk(

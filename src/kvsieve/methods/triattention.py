@@ -64,7 +64,7 @@ import torch
 from ..cache import DEAD_POS
 from ..checks import check_fields
 from ..policy import About, Defaults, Needs, Scorer, check_choice, register
-from ..steering import model_fingerprint, model_name
+from ..steering import load_saved, other_model
 
 # Offsets of the future queries: 1, 2, 4, ..., 65536 (official code pruning_utils.py::build_geometric_offsets
 # up to offset_max_length=65536: scripts/worker.py --triattention_frequency_window, vLLM core/config.py)
@@ -112,13 +112,7 @@ class QueryStats:
     @classmethod
     def read(cls, path: str | Path) -> "QueryStats":
         """The statistics saved at ``path``, not yet checked against a model (``check``)."""
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise ValueError(f"TriAttention statistics file {path} does not exist; {STATS_HINT}") from None
-        except Exception as err:  # torch raises several kinds on a file it cannot read
-            raise ValueError(f"{path} is not a TriAttention statistics file ({type(err).__name__}); "
-                             f"{STATS_HINT}") from None
+        data = load_saved(path, "TriAttention statistics", STATS_HINT)
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or data.pop("kind", None) != "kvsieve-triattention-stats" or set(data) != names:
             raise ValueError(f"{path} is not a TriAttention statistics file; {STATS_HINT}")
@@ -126,12 +120,11 @@ class QueryStats:
 
     def check(self, model, source: str | Path = "") -> "QueryStats":
         """Refuse statistics calibrated on another model (by name and shape); returns ``self``."""
-        if self.fingerprint != model_fingerprint(model) or self.model_name != model_name(model):
+        other = other_model(self.model_name, self.fingerprint, model)
+        if other:
             where = f" {source}" if source else ""
-            raise StatsModelError(
-                f"TriAttention statistics{where} were calibrated on {self.model_name} {self.fingerprint}, not on "
-                f"{model_name(model)} {model_fingerprint(model)}; calibrate this model (kvsieve calibrate "
-                "triattention --model ...)")
+            raise StatsModelError(f"TriAttention statistics{where} were {other}; calibrate this model (kvsieve "
+                                  "calibrate triattention --model ...)")
         return self
 
 
