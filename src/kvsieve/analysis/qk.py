@@ -6,9 +6,13 @@ q/k norm, exactly what RoPE saw), rotates them back by their positions (RoPE inv
 pair f of position p turned by -w_f p, divided by RoPE's attention scaling s) and keeps, per
 (layer, query head) and frequency pair f, the centre E[q_f] and the mean norm E|q_f|: what
 TriAttention's score (``kvsieve.methods.triattention``, Eq. S) reads, saved with the model's
-RoPE frequencies and fingerprint.  The official calibration (scripts/calibrate.py) does the
-same from one long text; here the text is cut into chunks of ``chunk`` tokens, each run alone
-from position 0.
+RoPE frequencies and fingerprint.
+
+# deviation: the official calibration (scripts/calibrate.py) runs one forward pass over a long
+# text (up to 32,768 tokens, bf16); here the text is cut into chunks of ``chunk`` tokens (1,024
+# by default, 4,096 in all: a CPU's budget), each run alone from position 0, in the model's dtype.
+# It also rebuilds the queries from ``q_proj`` and RoPE, which leaves out a q norm (Qwen3's);
+# taking them at the attention call keeps it.
 
 ``analyze`` (``kvsieve analyze qk``) measures, per head:
 

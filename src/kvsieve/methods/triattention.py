@@ -182,7 +182,9 @@ class TriAttention(Scorer):
         runtime/config.py ``sparse_normalize_scores=True``).
     offset_max : int, default 65536
         Largest future offset; offsets are 1, 2, 4, ... up to it (official
-        pruning_utils.py::build_geometric_offsets, ``offset_max_length=65536``).
+        pruning_utils.py::build_geometric_offsets, ``offset_max_length=65536``).  The series is
+        averaged over them (official ``score_aggregation="mean"``; its "max" is not offered: the
+        mean is what lets one product per layer score every key).
     """
 
     about = About("trigonometric series of the pre-RoPE query centres at each key's distance, plus a Q/K norm "
@@ -190,9 +192,18 @@ class TriAttention(Scorer):
                   "Mao et al. 2026 (arXiv:2604.04921); offsets, normalisation, window 128, every 128: official code")
     # per-token scores (their z-normalisation reads the live set, never slot order): evicted in place
     needs = Needs(slot_order_free=True)
-    # recent 128 and interval 128: vLLM runtime/config.py (window_size, divide_length); prompt kept: the paper's
-    # HF runner (scripts/worker.py allow_prefill_compression=False); compressed only while decoding
-    # (methods/triattention.py::triattention_forward compresses on decode steps)
+    # recent 128 and interval 128: vLLM runtime/config.py (window_size, divide_length; scripts/cli.py sets the same
+    # divide_length for the paper's runs); prompt kept: the paper's HF runner (scripts/worker.py
+    # allow_prefill_compression=False); compressed only while decoding (methods/triattention.py::triattention_forward
+    # compresses on decode steps only).
+    # deviation: the recent window is min(128, budget // 2), so small budgets still compress (issue 28's cap, as the
+    # interval's); the vLLM runtime clamps it to budget - 1 (selector_hf.py), the paper's HF runner keeps no window.
+    # deviation: the prompt is kept outside the budget (kvsieve's protect_prompt); the HF runner keeps it inside
+    # (count_prompt_tokens=True: budget - prompt decode tokens stay) and the vLLM runtime does not protect it by
+    # default (runtime/config.py protect_prefill=False, README's TRIATTN_RUNTIME_PROTECT_PREFILL).
+    # deviation: compression falls every `interval` decode steps while a layer holds more than its bound, the cache
+    # peaking at bound + interval; the HF runner prunes once the cache reaches budget + 128 (slack trigger), the
+    # vLLM runtime every 128 tokens: the same peak and period at the default 128.
     defaults = Defaults(recent=lambda budget: RECENT if budget is None else min(RECENT, budget // 2),
                         interval=INTERVAL, protect_prompt=True, compress_prefill=False,
                         recent_doc="min(128, budget // 2)")
@@ -234,6 +245,9 @@ class TriAttention(Scorer):
                                   st.inv_freq.to(dev), st.attention_scaling, seen_tokens, self.offset_max)
         live = layer.meta["pos"] != DEAD_POS  # [B, H, cap]
         if self.normalize:
+            # deviation: over every live token, the protected ones included (as the vLLM runtime, which normalises
+            # before its guards: selector_hf.py::_finalize_layer_scores); the HF runner normalises the decode tokens
+            # only, and adds 1e-6 uniform noise (seed 0) to break ties, which kvsieve leaves to topk
             per_query = z_normalise(per_query, live)
         per_kv = per_query.amax(dim=2)  # [B, H, cap]: max over the query group (layer_perhead_aggregation="max")
         if self.pruning == "per_layer":
