@@ -216,7 +216,7 @@ def test_budget_at_least_the_length_reproduces_full(smollm, smol_stats):
     assert all(s.compression_events == 0 for s in ours.stats)
 
 
-@pytest.mark.parametrize("pruning", ["per_layer_per_head", "per_layer"])
+@pytest.mark.parametrize("pruning", ["per_layer_per_head", pytest.param("per_layer", marks=pytest.mark.slow)])
 def test_a_left_padded_batch_gives_each_row_its_own_output(smollm, smol_stats, pruning):
     """Compressing (budget 16, prompt competing), a row's tokens do not depend on its batch mate or padding."""
     policy = make_policy("triattention", 16, stats=smol_stats, pruning=pruning, protect_prompt=False)
