@@ -283,8 +283,8 @@ def test_calibrate_and_analyze_commands_write_their_files_and_refuse_bad_data(sm
     from kvsieve.cli import app
 
     data = tmp_path / "gsm.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
-                            + "\n" for i in range(30)))
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(30)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     runner = CliRunner()
     stats = tmp_path / "stats.pt"
     result = runner.invoke(app, ["calibrate", "triattention", "--data", str(data), "--out", str(stats),

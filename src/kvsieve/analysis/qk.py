@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..methods.expected import model_inv_freq
-from ..methods.triattention import QueryStats
+from ..methods.triattention import QueryStats, turns
 from ..steering import model_fingerprint, model_name
 
 CAPTURE = "kvsieve_qk"  # the attention implementation that records queries and keys
@@ -91,7 +91,7 @@ def pre_rope_pairs(x: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> t
     F = x.shape[-1] // 2
     pairs = torch.complex(x[..., :F].double(), x[..., F:].double())
     positions = torch.arange(x.shape[-2], dtype=torch.float64, device=x.device)
-    return pairs * torch.polar(torch.ones((), dtype=torch.float64), -positions[:, None] * inv_freq.to(x.device)) / scaling
+    return pairs * turns(-positions[:, None] * inv_freq.to(x.device)) / scaling
 
 
 @dataclass
@@ -212,7 +212,7 @@ def predicted_preference(q_centre: torch.Tensor, k_centre: torch.Tensor, inv_fre
     """The series of the centres at each distance: [L, H_q, M] for centres [L, H_q, F] and
     [L, H_q, F] (keys repeated onto their query heads), distances [M]."""
     relative = q_centre * k_centre.conj()  # [L, H, F]: |q_bar||k_bar| e^{i phi}
-    turn = torch.polar(torch.ones((), dtype=torch.float64), distances.double()[:, None] * inv_freq.double())  # [M, F]
+    turn = turns(distances.double()[:, None] * inv_freq.double())  # [M, F]
     return scaling ** 2 * (relative[:, :, None, :] * turn).real.sum(dim=-1)
 
 

@@ -128,10 +128,15 @@ class QueryStats:
         return self
 
 
+def turns(angle: torch.Tensor) -> torch.Tensor:
+    """e^{i angle}, complex128."""
+    return torch.polar(torch.ones((), dtype=torch.float64), angle.double())
+
+
 def offset_mean(inv_freq: torch.Tensor, offset_max: int = OFFSET_MAX) -> torch.Tensor:
     """c_f = mean over o in {1, 2, 4, ..., offset_max} of e^{i w_f o}: [F] complex128."""
     offsets = 2.0 ** torch.arange(int(math.log2(offset_max)) + 1, dtype=torch.float64)  # [O]
-    return torch.polar(torch.ones((), dtype=torch.float64), offsets[:, None] * inv_freq.double()).mean(dim=0)
+    return turns(offsets[:, None] * inv_freq.double()).mean(dim=0)
 
 
 def series_scores(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor,
@@ -144,7 +149,7 @@ def series_scores(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Te
     F = D // 2
     G = q_mean.shape[0] // H
     centre = torch.complex(q_mean[..., 0].double(), q_mean[..., 1].double())  # [H_q, F]
-    turn = torch.polar(torch.ones((), dtype=torch.float64), seen_tokens.double()[:, None] * inv_freq.double())  # [B, F]: e^{i w t}
+    turn = turns(seen_tokens.double()[:, None] * inv_freq.double())  # [B, F]: e^{i w t}
     u = scaling * centre[None] * (turn * offset_mean(inv_freq, offset_max))[:, None]  # [B, H_q, F] complex
     u = torch.cat([u.real, u.imag], dim=-1).float().view(B, H, G, D)  # Re(u conj(k~)) = u_re k_re + u_im k_im
     keys = keys.float()
