@@ -76,6 +76,20 @@ def read_texts(path: str | Path, limit: int | None = None) -> list[str]:
     return texts
 
 
+def leading_tokens(tokenizer, texts: list[str], tokens: int) -> torch.Tensor:
+    """The first ``tokens`` token ids of ``texts`` joined by blank lines (fewer if they are shorter),
+    tokenising only as many texts as that takes (a few characters a token; doubled until enough)."""
+    chars = 6 * tokens
+    while True:
+        total, count = 0, 0
+        while count < len(texts) and total < chars:
+            total, count = total + len(texts[count]) + 2, count + 1
+        ids = tokenizer("\n\n".join(texts[:count]), return_tensors="pt").input_ids[0]
+        if ids.numel() >= tokens or count == len(texts):
+            return ids[:tokens]
+        chars *= 2
+
+
 def model_rope(model) -> tuple[torch.Tensor, float]:
     """The model's RoPE frequencies w [D/2] (float64) and attention scaling s."""
     inv_freq = model_inv_freq(model)
@@ -179,7 +193,7 @@ class Capture:
         (fewer if the text is shorter); returns the tokens fed."""
         if tokens < 2 or chunk < 2:
             raise ValueError(f"tokens and chunk must be >= 2, got {tokens} and {chunk}")
-        ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0, :tokens]
+        ids = leading_tokens(tokenizer, texts, tokens)
         device = next(model.parameters()).device
         fed = 0
         with self.installed(model):
