@@ -12,8 +12,11 @@ no model is loaded.  The reference keeps its own list of (position, key, value) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +44,24 @@ SCALE = 0.35
 
 # Methods that keep a budget of tokens (LagKV sets its own size from its partitions).
 BUDGETED = [m for m in method_names()[1:] if SCORERS[m].needs.uses_budget]
+
+
+@functools.cache
+def calibrated(name: str) -> dict:
+    """Settings a method needs beyond a budget: TriAttention's statistics file, here random
+    statistics of this file's head shapes (its equations are checked in tests/methods)."""
+    if name != "triattention":
+        return {}
+    from kvsieve.methods.triattention import QueryStats
+
+    g = torch.Generator().manual_seed(0)
+    q_mean = torch.randn(1, HQ, D // 2, 2, generator=g)
+    stats = QueryStats(q_mean=q_mean, q_abs_mean=q_mean.norm(dim=-1) * 1.5,
+                       inv_freq=10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float64) / D), attention_scaling=1.0,
+                       num_kv_heads=HKV, model_name="synthetic", fingerprint={})
+    path = Path(tempfile.mkdtemp()) / "triattention.pt"
+    stats.save(path)
+    return {"stats": str(path)}
 
 
 # ============================================================================ building caches
@@ -475,7 +496,7 @@ def test_live_scores_do_not_depend_on_trailing_dead_slots(name):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_order(name, seed):
     kw = {"window": 4} if name in ("snapkv", "rkv") else {"window": 3} if name == "lazy" else {}  # lazy: B >= 2W
-    policy = make_policy(name, budget=6, sinks=2, recent=3, **kw)
+    policy = make_policy(name, budget=6, sinks=2, recent=3, **kw, **calibrated(name))
     # Row 0 head 1 ends up with fewer live tokens (2 + 3 decoded) than the budget; row 1 is left padded.
     built = build(seed, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
                   observer=policy.observer(), counts=((9, 2), (7, 8)), pad=3)
@@ -522,7 +543,7 @@ def test_in_place_eviction_keeps_exactly_what_the_gather_path_keeps(name, monkey
     kept, kept_scores = {}, {}
     for in_place in (True, False):
         monkeypatch.setattr(policy_module, "can_evict_in_place", lambda *a, _v=in_place: _v)
-        policy = make_policy(name, budget=6, sinks=1, recent=1, interval=3)
+        policy = make_policy(name, budget=6, sinks=1, recent=1, interval=3, **calibrated(name))
         built = build(3, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
                       observer=policy.observer(), counts=((6, 6), (6, 5)), aligned=policy.scorer.needs.aligned_heads)
         layer = built.layer
@@ -728,7 +749,7 @@ def test_negative_or_zero_settings_are_rejected_by_their_keyword(kw, message):
 def test_missing_budget_is_an_error_for_every_evicting_method():
     for name in BUDGETED:
         with pytest.raises(ValueError, match=f"method '{name}' needs a positive budget="):
-            make_policy(name)
+            make_policy(name, **calibrated(name))
     assert make_policy("full").scorer is None  # no eviction needs no budget
 
 

@@ -339,6 +339,8 @@ def _register_subcommands() -> None:
     commands.register_mri(app)  # creates the `analyze` group the others add to
     eval_cli.register(app)
     commands.register_retention(app)
+    commands.register_qk(app)
+    commands.register_calibrate(app)
 
 
 _register_subcommands()

@@ -52,6 +52,7 @@ import torch
 
 from .cache import DEAD_POS
 from .checks import check_fields
+from .model_files import load_saved, model_fingerprint, model_name, other_model
 from .methods._sentences import DELIMITERS, KEYWORDS, OthersCounter, sentence_spans, vocab_ids
 
 PAPER_LAYER_FRACTION = 20 / 28  # App. A.2: layer 20 of R1-Qwen-7B's 28 (35/48 for 14B is 0.73)
@@ -105,12 +106,7 @@ class SteeringVector:
     def read(cls, path: str | Path) -> "SteeringVector":
         """The vector saved at ``path``, not yet checked against a model (``check``)."""
         hint = "build one with: kvsieve steering build --model MODEL --out FILE"
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise ValueError(f"steering vector file {path} does not exist; {hint}") from None
-        except Exception as err:  # torch raises several kinds on a file it cannot read
-            raise ValueError(f"{path} is not a steering vector file ({type(err).__name__}); {hint}") from None
+        data = load_saved(path, "steering vector", hint)
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or not {"vector", "layer", "model_name", "fingerprint"} <= set(data) <= names:
             raise ValueError(f"{path} is not a steering vector file (expected the fields {sorted(names)}); {hint}")
@@ -118,12 +114,11 @@ class SteeringVector:
 
     def check(self, model, source: str | Path = "") -> "SteeringVector":
         """Refuse a vector measured on another model (by name and shape); returns ``self``."""
-        if self.fingerprint != model_fingerprint(model) or self.model_name != model_name(model):
+        other = other_model(self.model_name, self.fingerprint, model)
+        if other:
             where = f" {source}" if source else ""
-            raise SteeringModelError(
-                f"steering vector{where} was built for {self.model_name} {self.fingerprint}, not for "
-                f"{model_name(model)} {model_fingerprint(model)}; build one for this model "
-                "(kvsieve steering build --model ...)")
+            raise SteeringModelError(f"steering vector{where} was {other}; build one for this model "
+                                     "(kvsieve steering build --model ...)")
         return self.fits(model)
 
     @classmethod
@@ -137,15 +132,6 @@ class SteeringVector:
 
 class SteeringModelError(ValueError):
     """A steering vector used with a model other than the one it was measured on."""
-
-
-def model_name(model) -> str:
-    return Path(str(getattr(model.config, "_name_or_path", "") or "unknown")).name
-
-
-def model_fingerprint(model) -> dict:
-    c = model.config
-    return {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
 
 
 def default_layer(num_layers: int) -> int:

@@ -1,4 +1,4 @@
-"""The command lines of ``kvsieve analyze mri`` and ``analyze retention``.
+"""The command lines of ``kvsieve analyze mri``, ``analyze retention``, ``analyze qk`` and ``calibrate triattention``.
 
 They live apart from ``kvsieve.analysis.mri`` and ``.retention`` (which re-export them as their
 ``register``) so that registering them imports neither torch nor numpy: ``kvsieve --help`` and
@@ -66,15 +66,21 @@ def register_mri(app) -> None:
     app.add_typer(group, name="analyze")
 
 
+def analyze_group(app, caller: str):
+    """The app's ``analyze`` typer group, which ``register_mri`` creates (``caller`` names who needs it)."""
+    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
+    if group is None:
+        raise ValueError(f"{caller}: the app has no 'analyze' group; register kvsieve.analysis.mri first")
+    return group
+
+
 def register_retention(app) -> None:
     """Add ``retention`` to the app's existing ``analyze`` typer group."""
     import typer
     from rich.console import Console
     from rich.table import Table
 
-    group = next((info.typer_instance for info in app.registered_groups if info.name == "analyze"), None)
-    if group is None:
-        raise ValueError("retention.register: the app has no 'analyze' group; register kvsieve.analysis.mri first")
+    group = analyze_group(app, "retention.register")
 
     @group.command("retention")
     def retention(
@@ -114,3 +120,92 @@ def register_retention(app) -> None:
                 table.add_row(path.name, f"{method} @ {budget}", "-", "-", "-", "-", "-", "-", "-",
                               fmt(s["repetition"], 100), f"{s['generated_tokens']:.0f}")
         Console().print(table)
+
+
+def _model_and_texts(model: str, data: Path, device: str, dtype: str):
+    """``(model, tokenizer, texts)`` for the Q/K commands; a bad model or data file is a usage error."""
+    import typer
+
+    from .. import models
+    from .qk import read_texts
+
+    try:
+        texts = read_texts(data)
+        lm, tokenizer = models.load_model(model, device=device, dtype=dtype)
+    except (ValueError, models.ModelNotInstalledError) as err:
+        raise typer.BadParameter(str(err)) from None
+    return lm, tokenizer, texts
+
+
+def register_calibrate(app) -> None:
+    """Add the ``calibrate`` group with its ``triattention`` command to a typer app."""
+    import typer
+
+    group = typer.Typer(help="Per-model statistics that a method reads.", no_args_is_help=True)
+
+    @group.command("triattention")
+    def triattention(
+        model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
+        data: Path = typer.Option(DEFAULT_DATASET, help="Plain text file, or JSONL (question/answer/text fields)."),
+        out: Path = typer.Option(Path("triattention-stats.pt"), help="Statistics file (stats=FILE of triattention)."),
+        tokens: int = typer.Option(4096, help="Tokens of the data to run through the model."),
+        chunk: int = typer.Option(1024, help="Tokens per forward pass (each chunk starts at position 0)."),
+        device: str = typer.Option("auto"),
+        dtype: str = typer.Option("auto"),
+    ):
+        """Pre-RoPE query centres and norms of every head (TriAttention's statistics), with the
+        model's RoPE frequencies and fingerprint."""
+        import time
+
+        from rich.console import Console
+
+        from .qk import calibrate
+
+        lm, tokenizer, texts = _model_and_texts(model, data, device, dtype)
+        start = time.perf_counter()
+        try:
+            stats = calibrate(lm, tokenizer, texts, tokens=tokens, chunk=chunk, data=str(data))
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        stats.save(out)
+        L, H, F, _ = stats.q_mean.shape
+        Console().print(f"calibrated {model} on {stats.settings['tokens']:,} tokens of {data} in "
+                        f"{time.perf_counter() - start:.1f} s: {L} layers x {H} query heads x {F} frequency pairs; "
+                        f"wrote {out} ({out.stat().st_size:,} bytes)")
+
+    app.add_typer(group, name="calibrate")
+
+
+def register_qk(app) -> None:
+    """Add ``qk`` to the app's existing ``analyze`` typer group."""
+    import typer
+
+    group = analyze_group(app, "register_qk")
+
+    @group.command("qk")
+    def qk(
+        model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
+        data: Path = typer.Option(DEFAULT_DATASET, help="Plain text file, or JSONL (question/answer/text fields)."),
+        out: Path = typer.Option(Path("kvsieve-qk"), help="Directory for qk.json and qk.png."),
+        tokens: int = typer.Option(2048, help="Tokens of the data to run through the model."),
+        chunk: int = typer.Option(512, help="Tokens per forward pass (each chunk starts at position 0)."),
+        max_distance: int = typer.Option(128, help="Largest query-key distance measured."),
+        device: str = typer.Option("auto"),
+        dtype: str = typer.Option("auto"),
+    ):
+        """Q/K concentration of every head and the distance preference its centres predict, against
+        the attention measured by distance (TriAttention's analysis)."""
+        from rich.console import Console
+
+        from .qk import analyze
+
+        lm, tokenizer, texts = _model_and_texts(model, data, device, dtype)
+        try:
+            s = analyze(lm, tokenizer, texts, out, tokens=tokens, chunk=chunk, max_distance=max_distance,
+                        info={"model": model, "data": str(data)})
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        Console().print(f"{s['tokens']:,} tokens: mean Q concentration {s['q_concentration_mean']:.3f}, K "
+                        f"{s['k_concentration_mean']:.3f}; correlation of the predicted and the measured logit by "
+                        f"distance: median {s['correlation_median']:.3f} over {len(s['heads'])} heads; wrote "
+                        f"{out / 'qk.json'} and {s['png']}")

@@ -1,0 +1,260 @@
+"""TriAttention: score keys by the distance preference that the pre-RoPE query centre predicts.
+
+arXiv:2604.04921; official code: github.com/WeianMao/triattention.
+
+Based on Mao et al., "TriAttention: Efficient Long Reasoning with Trigonometric KV Compression"
+(arXiv:2604.04921).  Before RoPE, the queries of a head sit close to a fixed non-zero centre
+(Q/K concentration).  Cut a head's D dimensions into F = D/2 RoPE frequency pairs, each a
+complex number (rotate-half layout: real part dimension f, imaginary part f + F).  RoPE turns
+pair f of the query at position p_q and of the key at p_k by w_f p_q and w_f p_k, so a query
+at the centre, q_bar, gives the key k its logit as a trigonometric series of their distance:
+
+    logit(delta) = s^2 sum_f |q_bar_f| |k_f| cos(w_f delta + phi_f),  phi_f = arg(q_bar_f conj(k_f)),
+
+with s RoPE's attention scaling (1 for plain RoPE) and delta = p_q - p_k.  The score of a
+cached key at a compression at position t (the row's next position) averages the series over
+future queries at t + o, o in {1, 2, 4, ..., 2^16}, and adds a norm term for the part of the
+queries the centre does not explain, weighted by one minus the mean resultant length
+R_f = |E q_f| / E|q_f| of each pair (E|q_f| - |E q_f| = E|q_f| (1 - R_f)):
+
+    score(k) = mean_o logit(t + o - p_k) + s^2 sum_f (E|q_f| - |q_bar_f|) |k_f|        (Eq. S)
+
+Eq. S is the official code's ``score_keys_for_round`` over ``compute_frequency_statistics_from_means``
+(triattention/methods/pruning_utils.py).  The equation number of the paper could not be read
+here (only its abstract and introduction are stored), so it is tagged "Eq. S" throughout.
+
+How kvsieve computes it: no RoPE inversion is needed.  kvsieve stores post-RoPE keys
+k~_f = s k_f e^{i w_f p_k} (``SieveLayer.keys``), so
+
+    |q_bar_f||k_f| cos(w_f delta + phi_f) = Re(q_bar_f conj(k_f) e^{i w_f delta})
+                                          = Re(q_bar_f conj(k~_f) e^{i w_f (t + o)}) / s,
+
+the key's own position cancels, and the mean over offsets is the factor c_f = mean_o e^{i w_f o}.
+Each query head's whole series is then one real vector u = s q_bar e^{i w t} c (as 2F reals)
+and the series of every key is one product u . k~ ([B, H_kv, G, D] @ [B, H_kv, D, cap]); the
+norm term is (E|q| - |q_bar|) . |k~_f| * s, |k~_f| = s |k_f|.  Per query head the scores are
+z-normalised over the live tokens, then reduced over each kv head's query group by the max.
+
+The statistics (q_bar, E|q|, the RoPE frequencies w and scaling s, the model's fingerprint)
+come from ``kvsieve calibrate triattention`` (``kvsieve.analysis.qk``); ``stats=FILE`` names
+them.  A file made for another model is refused, naming both (as a steering vector is).
+
+Pruning modes (``pruning``):
+* ``per_layer_per_head`` (kvsieve's default): each (layer, kv head) keeps its own tokens, by
+  the max over its query group (official ``per_layer_perhead_pruning`` with
+  ``layer_perhead_aggregation="max"``, triattention/methods/triattention.py::_select_per_layer_perhead_independent).
+* ``per_layer``: every kv head of a layer keeps the same tokens, by the max over all the
+  layer's query heads (official vLLM runtime's ``per_layer`` mode, selector_hf.py::_select_keep_indices).
+# deviation: the official default, ``per_head`` (triattention/methods/triattention.py::_select_per_head_independent,
+# scripts/cli.py sets per_head_pruning=True; vLLM runtime/config.py pruning_mode="per_head" with
+# "hf_aligned_global_per_head"), gives kv head h the same tokens in *every layer*, by the mean over
+# layers of each layer's group max.  kvsieve compresses one layer at a time and a scorer sees only
+# the layer it scores, so that cross-layer mode is not offered: ``pruning="per_head"`` is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+
+from ..cache import DEAD_POS
+from ..checks import check_fields
+from ..policy import About, Defaults, Needs, Scorer, check_choice, register
+from ..model_files import load_saved, other_model
+
+# Offsets of the future queries: 1, 2, 4, ..., 65536 (official code pruning_utils.py::build_geometric_offsets
+# up to offset_max_length=65536: scripts/worker.py --triattention_frequency_window, vLLM core/config.py)
+OFFSET_MAX = 65536
+RECENT = 128  # vLLM runtime/config.py window_size=128 (README: TRIATTN_RUNTIME_WINDOW_SIZE)
+INTERVAL = 128  # divide_length=128: vLLM runtime/config.py, scripts/cli.py
+PRUNING_MODES = ("per_layer_per_head", "per_layer")
+STATS_HINT = "make one with: kvsieve calibrate triattention --model MODEL --data FILE --out stats.pt"
+
+
+class StatsModelError(ValueError):
+    """A TriAttention statistics file used with a model other than the one it was calibrated on."""
+
+
+@dataclass
+class QueryStats:
+    """Pre-RoPE query statistics of every (layer, query head), per RoPE frequency pair.
+
+    q_mean : [L, H_q, F, 2] float32, the centre E[q_f] as (real, imaginary)
+    q_abs_mean : [L, H_q, F] float32, E|q_f|
+    inv_freq : [F] float64, RoPE's w_f;  attention_scaling : s
+    """
+
+    q_mean: torch.Tensor
+    q_abs_mean: torch.Tensor
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    num_kv_heads: int
+    model_name: str
+    fingerprint: dict
+    settings: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        check_fields(self)
+        L, H, F, two = self.q_mean.shape
+        if two != 2 or self.q_abs_mean.shape != (L, H, F) or self.inv_freq.shape != (F,):
+            raise ValueError(f"inconsistent TriAttention statistics: q_mean {tuple(self.q_mean.shape)}, q_abs_mean "
+                             f"{tuple(self.q_abs_mean.shape)}, inv_freq {tuple(self.inv_freq.shape)}")
+        if self.num_kv_heads < 1 or H % self.num_kv_heads:
+            raise ValueError(f"{H} query heads do not split into {self.num_kv_heads} kv heads")
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"kind": "kvsieve-triattention-stats", **asdict(self)}, path)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "QueryStats":
+        """The statistics saved at ``path``, not yet checked against a model (``check``)."""
+        data = load_saved(path, "TriAttention statistics", STATS_HINT)
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or data.pop("kind", None) != "kvsieve-triattention-stats" or set(data) != names:
+            raise ValueError(f"{path} is not a TriAttention statistics file; {STATS_HINT}")
+        return cls(**data)
+
+    def check(self, model, source: str | Path = "") -> "QueryStats":
+        """Refuse statistics calibrated on another model (by name and shape); returns ``self``."""
+        other = other_model(self.model_name, self.fingerprint, model)
+        if other:
+            where = f" {source}" if source else ""
+            raise StatsModelError(f"TriAttention statistics{where} were {other}; calibrate this model (kvsieve "
+                                  "calibrate triattention --model ...)")
+        return self
+
+
+def turns(angle: torch.Tensor) -> torch.Tensor:
+    """e^{i angle}, complex128."""
+    return torch.polar(torch.ones((), dtype=torch.float64), angle.double())
+
+
+def offset_mean(inv_freq: torch.Tensor, offset_max: int = OFFSET_MAX) -> torch.Tensor:
+    """c_f = mean over o in {1, 2, 4, ..., offset_max} of e^{i w_f o}: [F] complex128."""
+    offsets = 2.0 ** torch.arange(int(math.log2(offset_max)) + 1, dtype=torch.float64)  # [O]
+    return turns(offsets[:, None] * inv_freq.double()).mean(dim=0)
+
+
+def series_scores(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor,
+                  scaling: float, seen_tokens: torch.Tensor, offset_max: int = OFFSET_MAX) -> torch.Tensor:
+    """Eq. S for every query head and cached key: [B, H_kv, G, cap].
+
+    keys [B, H_kv, cap, D] post-RoPE; q_mean [H_q, F, 2]; q_abs_mean [H_q, F]; inv_freq [F];
+    seen_tokens [B] the rows' next positions t."""
+    B, H, cap, D = keys.shape
+    F = D // 2
+    G = q_mean.shape[0] // H
+    centre = torch.complex(q_mean[..., 0].double(), q_mean[..., 1].double())  # [H_q, F]
+    turn = turns(seen_tokens.double()[:, None] * inv_freq.double())  # [B, F]: e^{i w t}
+    u = scaling * centre[None] * (turn * offset_mean(inv_freq, offset_max))[:, None]  # [B, H_q, F] complex
+    u = torch.cat([u.real, u.imag], dim=-1).float().view(B, H, G, D)  # Re(u conj(k~)) = u_re k_re + u_im k_im
+    keys = keys.float()
+    trig = u @ keys.transpose(-1, -2)  # [B, H, G, cap]
+    pair_norm = (keys[..., :F].square() + keys[..., F:].square()).sqrt()  # [B, H, cap, F]: |k~_f| = s |k_f|
+    spread = scaling * (q_abs_mean.float() - centre.abs().float()).view(1, H, G, F)  # s (E|q_f| - |q_bar_f|)
+    return trig + spread @ pair_norm.transpose(-1, -2)  # [B, H, G, cap]
+
+
+def z_normalise(scores: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std per query head over the live slots [B, H, cap] (population std, at least
+    1e-6: official triattention/methods/triattention.py::compute_keep_indices, normalize_scores)."""
+    live = live[:, :, None].to(scores.dtype)  # [B, H, 1, cap]
+    count = live.sum(dim=-1, keepdim=True).clamp(min=1)
+    mean = (scores * live).sum(dim=-1, keepdim=True) / count
+    std = (((scores - mean) * live).square().sum(dim=-1, keepdim=True) / count).sqrt().clamp(min=1e-6)
+    return (scores - mean) / std
+
+
+@register("triattention")
+@dataclass
+class TriAttention(Scorer):
+    """Trigonometric distance preference of the pre-RoPE query centre, plus a norm term (Eq. S).
+
+    Parameters
+    ----------
+    stats : str
+        The statistics file of ``kvsieve calibrate triattention`` (required).
+    pruning : str, default "per_layer_per_head"
+        "per_layer_per_head" or "per_layer" (module docstring; the official cross-layer
+        "per_head" is refused: a ``# deviation:`` of the module docstring).
+    normalize : bool, default True
+        z-normalise each query head's scores before the group max (official
+        ``triattention_normalize_scores=True``: scripts/cli.py and scripts/worker.py; vLLM
+        runtime/config.py ``sparse_normalize_scores=True``).
+    offset_max : int, default 65536
+        Largest future offset; offsets are 1, 2, 4, ... up to it (official
+        pruning_utils.py::build_geometric_offsets, ``offset_max_length=65536``).  The series is
+        averaged over them (official ``score_aggregation="mean"``; its "max" is not offered: the
+        mean is what lets one product per layer score every key).
+    """
+
+    about = About("trigonometric series of the pre-RoPE query centres at each key's distance, plus a Q/K norm "
+                  "term; calibrated statistics (stats=FILE)",
+                  "Mao et al. 2026 (arXiv:2604.04921); offsets, normalisation, window 128, every 128: official code")
+    # per-token scores (their z-normalisation reads the live set, never slot order): evicted in place
+    needs = Needs(slot_order_free=True)
+    # recent 128 and interval 128: vLLM runtime/config.py (window_size, divide_length; scripts/cli.py sets the same
+    # divide_length for the paper's runs); prompt kept: the paper's HF runner (scripts/worker.py
+    # allow_prefill_compression=False); compressed only while decoding (methods/triattention.py::triattention_forward
+    # compresses on decode steps only).
+    # deviation: the recent window is min(128, budget // 2), so small budgets still compress (issue 28's cap, as the
+    # interval's); the vLLM runtime clamps it to budget - 1 (selector_hf.py), the paper's HF runner keeps no window.
+    # deviation: the prompt is kept outside the budget (kvsieve's protect_prompt); the HF runner keeps it inside
+    # (count_prompt_tokens=True: budget - prompt decode tokens stay) and the vLLM runtime does not protect it by
+    # default (runtime/config.py protect_prefill=False, README's TRIATTN_RUNTIME_PROTECT_PREFILL).
+    # deviation: compression falls every `interval` decode steps while a layer holds more than its bound, the cache
+    # peaking at bound + interval; the HF runner prunes once the cache reaches budget + 128 (slack trigger), the
+    # vLLM runtime every 128 tokens: the same peak and period at the default 128.
+    defaults = Defaults(recent=lambda budget: RECENT if budget is None else min(RECENT, budget // 2),
+                        interval=INTERVAL, protect_prompt=True, compress_prefill=False,
+                        recent_doc="min(128, budget // 2)")
+    stats: str = ""
+    pruning: str = "per_layer_per_head"
+    normalize: bool = True
+    offset_max: int = OFFSET_MAX
+    _stats: QueryStats | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.pruning == "per_head":
+            raise ValueError("triattention pruning='per_head' (the official default) gives each kv head the same "
+                             "tokens in every layer, by scores of all layers; kvsieve compresses one layer at a time, "
+                             "so use 'per_layer_per_head' (each layer's kv heads on their own) or 'per_layer'")
+        check_choice(self.pruning, PRUNING_MODES, "triattention pruning")
+        if self.offset_max < 1:
+            raise ValueError(f"triattention offset_max must be >= 1, got {self.offset_max}")
+        if not self.stats:
+            raise ValueError(f"triattention needs its calibrated statistics: stats=FILE ({STATS_HINT})")
+        self._stats = QueryStats.read(self.stats)
+        self.needs = replace(self.needs, aligned_heads=self.pruning == "per_layer")
+
+    @contextlib.contextmanager
+    def attach(self, model, tokenizer):
+        """Refuse statistics calibrated on another model before anything runs."""
+        self._stats.check(model, self.stats)
+        yield None
+
+    def score(self, layer, seen_tokens):
+        st = self._stats
+        keys = layer.keys  # [B, H_kv, cap, D] post-RoPE
+        B, H, cap, D = keys.shape
+        L, Hq, F, _ = st.q_mean.shape
+        if layer.layer_idx >= L or 2 * F != D or H != st.num_kv_heads:
+            raise StatsModelError(f"TriAttention statistics {self.stats} ({L} layers, {st.num_kv_heads} kv heads, head "
+                                  f"dim {2 * F}) do not fit layer {layer.layer_idx} ({H} kv heads, head dim {D})")
+        dev = keys.device
+        per_query = series_scores(keys, st.q_mean[layer.layer_idx].to(dev), st.q_abs_mean[layer.layer_idx].to(dev),
+                                  st.inv_freq.to(dev), st.attention_scaling, seen_tokens, self.offset_max)
+        live = layer.meta["pos"] != DEAD_POS  # [B, H, cap]
+        if self.normalize:
+            # deviation: over every live token, the protected ones included (as the vLLM runtime, which normalises
+            # before its guards: selector_hf.py::_finalize_layer_scores); the HF runner normalises the decode tokens
+            # only, and adds 1e-6 uniform noise (seed 0) to break ties, which kvsieve leaves to topk
+            per_query = z_normalise(per_query, live)
+        per_kv = per_query.amax(dim=2)  # [B, H, cap]: max over the query group (layer_perhead_aggregation="max")
+        if self.pruning == "per_layer":
+            return per_kv.amax(dim=1, keepdim=True).expand_as(per_kv)
+        return per_kv
