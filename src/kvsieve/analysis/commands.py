@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-DEFAULT_DATASET = Path("/work/shared/data/gsm8k_train.jsonl")
+DEFAULT_DATASET = Path("../shared/data/gsm8k_train.jsonl")  # relative to the repository root, as every data default
 PROMPT_FIELDS = ("question", "problem", "prompt")  # GSM8K, MATH-500 / AIME24, AIME25
 
 
