@@ -160,7 +160,7 @@ def main():
     print(json.dumps(report, indent=1), flush=True)
     if args.timing_only:
         return
-    with open("/work/shared/data/gsm8k_test.jsonl") as f:
+    with open("../shared/data/gsm8k_test.jsonl") as f:
         prompts = [json.loads(line)["question"] for line in f][: args.prompts]
     model, tok = load_model("smollm2-135m")
     for method in ("rkv", "skipkv"):
