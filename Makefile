@@ -21,12 +21,12 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m kvsieve.models install $(DEFAULT_MODEL)
+	$(VENV)/bin/kvsieve models install $(DEFAULT_MODEL)
 	$(VENV)/bin/kvsieve demo --model $(DEFAULT_MODEL)
 
 # --durations: the ten slowest tests, since the suite must stay under 10 min on 2 cores
 test: setup
-	$(PY) -m kvsieve.models install $(DEFAULT_MODEL)
+	$(VENV)/bin/kvsieve models install $(DEFAULT_MODEL)
 	$(PY) -m pytest -q --durations=10
 
 test-slow: setup

@@ -3,4 +3,4 @@ from kvsieve.cli import app
 if __name__ == "__main__":
     import sys
 
-    app(["bench", "compiled", *sys.argv[1:]])
+    app(["bench", "compiled", *sys.argv[1:]], prog_name="kvsieve")

@@ -3,4 +3,4 @@ from kvsieve.cli import app
 if __name__ == "__main__":
     import sys
 
-    app(["bench", "long", *sys.argv[1:]])
+    app(["bench", "long", *sys.argv[1:]], prog_name="kvsieve")

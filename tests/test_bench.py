@@ -112,10 +112,10 @@ def test_lagkv_is_timed_in_steady_state_with_its_next_partition_due_within_l_ste
 def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):
     """Padding is dead after prefill in kvsieve, so sorting prompts by length (SkipKV Eq. 12)
     can only change padding and prefill work, never a row's live KV tokens."""
-    import argparse
     import json
 
     from kvsieve.bench.grouping import measure
+    from kvsieve.bench.settings import GroupingSettings
 
     model, tok = smollm
     questions = ["What is 2 + 2?", "A farmer has 17 sheep and buys 5 more, then sells 3 of them at the market. "
@@ -123,8 +123,8 @@ def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):
                  "Sara reads 12 pages a day for 4 days and then 7 pages on the fifth day. How many pages in all?"]
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in questions))
-    args = argparse.Namespace(compile=False, dataset="gsm8k", data=str(data), samples=4, batch=2, new_tokens=4,
-                              method="streaming", budget=64)
+    args = GroupingSettings(dataset="gsm8k", data=str(data), samples=4, batch=2, new_tokens=4, method="streaming",
+                            budget=64)
     result = measure(model, tok, args)
     plain, grouped = result["rows"]
     assert grouped["padding_tokens"] < plain["padding_tokens"]
@@ -133,27 +133,30 @@ def test_grouping_bench_changes_padding_not_the_rows_budgets(smollm, tmp_path):
 
 # ---------------------------------------------------------------------------- memory / throughput / long
 def test_scale_benchmarks_take_issue_7s_defaults_and_the_options_given():
-    from kvsieve.bench.scale import parse_args
+    from kvsieve.bench.settings import BENCHMARKS, LongSettings, names, numbers
 
-    long_args = parse_args([], "long")
-    assert (long_args.methods, long_args.budget, long_args.batch, long_args.lengths) == (["tova", "lazy"], 512, 8, [4096, 8192])
-    assert parse_args(["--methods", "h2o", "--batch", "2"], "long").methods == ["h2o"]
-    memory_args = parse_args(["memory", "--budget", "64"])  # the name as the first word
-    assert (memory_args.name, memory_args.methods, memory_args.budget) == ("memory", ["tova", "streaming"], 64)
+    long_args = LongSettings()
+    assert (names(long_args.methods), long_args.budget, long_args.batch, numbers(long_args.lengths)) == (
+        ["tova", "lazy"], 512, 8, [4096, 8192])
+    assert names(LongSettings(methods="h2o", batch=2).methods) == ["h2o"]
+    memory_args = BENCHMARKS["memory"](budget=64)  # the class kvsieve bench memory builds
+    assert (memory_args.name, names(memory_args.methods), memory_args.budget) == ("memory", ["tova", "streaming"], 64)
 
 
 def test_memory_benchmark_runs_the_batch_asked_for(smollm):
-    from kvsieve.bench.scale import memory, parse_args
+    from kvsieve.bench.scale import memory
+    from kvsieve.bench.settings import MemorySettings
 
     model, tok = smollm
-    result = memory(model, tok, parse_args(["--methods", "streaming", "--budget", "8", "--new-tokens", "4", "--batch", "2"], "memory"))
+    result = memory(model, tok, MemorySettings(methods="streaming", budget=8, new_tokens=4, batch=2))
     assert [(r["method"], r["batch"]) for r in result["rows"]] == [("full", 2), ("streaming", 2)]
 
 
 def test_throughput_reports_no_ratio_when_full_does_not_fit(smollm):
     """A limit that holds a bounded row but not a full one: the bounded row is measured, and no
     ratio is made against another method standing in for full."""
-    from kvsieve.bench.scale import parse_args, throughput
+    from kvsieve.bench.scale import throughput
+    from kvsieve.bench.settings import ThroughputSettings
     from kvsieve.memory import GB, planned_kv_bytes
 
     model, tok = smollm
@@ -163,12 +166,11 @@ def test_throughput_reports_no_ratio_when_full_does_not_fit(smollm):
     tova_row = planned_kv_bytes(model, make_policy("tova", budget=16), 1, prompt_len, 64)
     assert tova_row < full_row
     limit = (tova_row + full_row) / 2 / GB
-    args = parse_args(["--methods", "tova", "--budget", "16", "--new-tokens", "64", "--max-batch", "1",
-                       "--kv-memory-gb", str(limit)], "throughput")
+    args = ThroughputSettings(methods="tova", budget=16, new_tokens=64, max_batch=1, kv_memory_gb=limit)
     rows = throughput(model, tok, args)["rows"]
     assert [r["method"] for r in rows] == ["tova"] and rows[0]["throughput_vs_full"] is None
     with pytest.raises(ValueError, match="raise --kv-memory-gb"):
-        throughput(model, tok, parse_args(["--methods", "tova", "--kv-memory-gb", "1e-9"], "throughput"))
+        throughput(model, tok, ThroughputSettings(methods="tova", kv_memory_gb=1e-9))
 
 
 def test_overhead_and_engine_results_get_a_plot(tmp_path):
@@ -201,11 +203,11 @@ def test_profile_flag_writes_a_chrome_trace_and_an_op_table(tmp_path):
 def test_long_benchmark_reads_every_length_off_one_run_per_method(smollm):
     """One generation per method to the longest length; each shorter length is read off its clock,
     and the bounded method's KV bytes stay flat below full's."""
-    from kvsieve.bench.scale import long, parse_args
+    from kvsieve.bench.scale import long
+    from kvsieve.bench.settings import LongSettings
 
     model, tok = smollm
-    result = long(model, tok, parse_args(["--methods", "streaming", "--budget", "8", "--lengths", "32,16",
-                                          "--batch", "2"], "long"))
+    result = long(model, tok, LongSettings(methods="streaming", budget=8, lengths="32,16", batch=2))
     assert [r["method"] for r in result["runs"]] == ["full", "streaming"]
     assert all(run["clock"][-1][0] == 32 and run["generated_tokens"] == 64 for run in result["runs"])
     rows = {(r["method"], r["new_tokens"]): r for r in result["rows"]}
@@ -214,4 +216,4 @@ def test_long_benchmark_reads_every_length_off_one_run_per_method(smollm):
     assert rows["streaming", 32]["kv_bytes_at_length"] == rows["streaming", 16]["kv_bytes_at_length"]
     assert rows["streaming", 32]["kv_bytes_vs_full"] < 1
     with pytest.raises(ValueError, match="multiple of 8"):
-        long(model, tok, parse_args(["--lengths", "30"], "long"))
+        long(model, tok, LongSettings(lengths="30"))

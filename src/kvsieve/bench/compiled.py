@@ -15,7 +15,6 @@ kvsieve's eager ``full`` measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -23,7 +22,8 @@ import torch
 from ..attention import cache_kwarg_name
 from ..cache import DEAD_POS
 from ..generate import GenerateConfig, encode_prompts, left_pad
-from .common import add_model_args, load_for, machine, prompts, report, timed_generate
+from .common import machine, prompts, report, timed_generate
+from .settings import CompiledSettings, numbers, with_full
 
 
 def hf_generate(model, tok, batch: int, new_tokens: int, static: bool) -> dict:
@@ -70,7 +70,7 @@ def kvsieve_generate(model, tok, method: str, budget: int, batch: int, new_token
             "tokens_per_s": row["generated_tokens"] / timed, "peak_kv_bytes": row["peak_kv_bytes"]}
 
 
-def measure(model, tok, batch: int, args) -> list[dict]:
+def measure(model, tok, batch: int, args: CompiledSettings) -> list[dict]:
     rows = []
 
     def add(row):
@@ -81,7 +81,7 @@ def measure(model, tok, batch: int, args) -> list[dict]:
     add(hf_generate(model, tok, batch, args.new_tokens, static=False))
     if not args.skip_transformers_static:
         add(hf_generate(model, tok, batch, args.new_tokens, static=True))
-    for method in args.methods.split(","):
+    for method in with_full(args.methods):
         for compile in (False, True):
             add(kvsieve_generate(model, tok, method, args.budget, batch, args.new_tokens, compile))
     hf = rows[0]["tokens_per_s"]
@@ -108,27 +108,11 @@ def draw(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvsieve bench compiled", description=__doc__.split("\n")[0])
-    add_model_args(ap)
-    ap.add_argument("--methods", default="full,tova,lazy", help="kvsieve methods, each timed eager and compiled")
-    ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=1024)
-    ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--skip-transformers-static", action="store_true",
-                    help="leave out transformers' compiled static-cache generate (its compile is the slowest)")
-    ap.add_argument("--out", default="benchmarks/results/compiled.json")
-    args = ap.parse_args(argv)
-    if "full" not in args.methods.split(","):
-        args.methods = "full," + args.methods
-    return args
-
-
-def run(model, tok, args) -> list[dict]:
+def run(model, tok, args: CompiledSettings) -> list[dict]:
     """Every entry at every one of ``--batches`` on a loaded model; prints the table, writes JSON and PNG."""
     timed_generate(model, tok, "full", None, 1, 8)  # warm-up of the eager paths
     rows = []
-    for batch in map(int, args.batches.split(",")):
+    for batch in numbers(args.batches):
         print(f"batch {batch}:", flush=True)
         rows += measure(model, tok, batch, args)
     header = f"{'batch':>5} {'entry':34} {'tok/s':>8} {'x hf eager':>10} {'x full eager':>12} {'compile s':>9}"
@@ -137,11 +121,3 @@ def run(model, tok, args) -> list[dict]:
                       f"{r['vs_kvsieve_full_eager']:12.2f} {r['compile_s']:9.1f}"), draw)
     return rows
 
-
-def main(argv=None):
-    args = parse_args(argv)
-    run(*load_for(args), args)
-
-
-if __name__ == "__main__":
-    main()

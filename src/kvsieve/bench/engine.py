@@ -10,34 +10,22 @@ alike. Ratios are against ``full`` measured in the same run.
 
 from __future__ import annotations
 
-import argparse
+from .common import machine, profiled, report, timed_generate
+from .settings import EngineSettings, numbers, with_full
 
-from .common import add_compile_arg, add_model_args, load_for, machine, profiled, report, timed_generate
 
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvsieve bench engine", description=__doc__.split("\n")[0])
-    add_model_args(ap)
-    ap.add_argument("--methods", default="full,tova,streaming")
-    ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=1024)
-    ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--repeats", type=int, default=1)
-    add_compile_arg(ap)
-    ap.add_argument("--out", default="benchmarks/results/engine.json")
-    args = ap.parse_args(argv)
-    model, tok = load_for(args)
-    methods = args.methods.split(",")
-    if "full" not in methods:
-        methods = ["full", *methods]
+def run(model, tok, args: EngineSettings) -> list[dict]:
+    """Every method (``full`` first, always) at every batch size; prints the table, writes JSON and PNG."""
+    methods = with_full(args.methods)
     timed_generate(model, tok, "full", args.budget, 1, 8)  # warm-up
     with profiled(args.profile):
-        rows = [row for batch in map(int, args.batches.split(",")) for row in measure(model, tok, methods, batch, args)]
+        rows = [row for batch in numbers(args.batches) for row in measure(model, tok, methods, batch, args)]
     header = (f"{'batch':>5} {'method':10} {'tok/s':>8} {'x full':>7} {'peak KV bytes':>15} {'x full':>7} "
               f"{'compressions':>12}")
     report(args, "engine", machine(model), rows, header,
            lambda r: (f"{r['batch']:>5} {r['method']:10} {r['decode_tokens_per_s']:8.1f} {r['speed_vs_full']:7.2f} "
                       f"{r['peak_kv_bytes']:15,} {r['kv_bytes_vs_full']:7.3f} {r['compression_events']:12}"), draw)
+    return rows
 
 
 def draw(ax, rows: list[dict]) -> None:
@@ -57,7 +45,7 @@ def draw(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def measure(model, tok, methods: list[str], batch: int, args) -> list[dict]:
+def measure(model, tok, methods: list[str], batch: int, args: EngineSettings) -> list[dict]:
     """Best of ``--repeats`` interleaved rounds per method at one batch size, with ratios to full."""
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
@@ -71,6 +59,3 @@ def measure(model, tok, methods: list[str], batch: int, args) -> list[dict]:
         row["kv_bytes_vs_full"] = row["peak_kv_bytes"] / best["full"]["peak_kv_bytes"]
     return [best[m] for m in methods]
 
-
-if __name__ == "__main__":
-    main()

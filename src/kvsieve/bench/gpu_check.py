@@ -13,7 +13,10 @@ In order, on ``--device`` (default ``cuda``):
 then one summary table of ratios. Each benchmark writes its JSON and PNG to ``--out-dir``
 (``benchmarks/results/gpu/``), beside ``gpu_check.json`` (the summary, step times, machine).
 
-It imports torch, transformers (and what they pull in) and the standard library only.
+It imports torch, transformers (and what they pull in) and the standard library only, so it
+reads its options with argparse, not through the typer CLI (``kvsieve``): that needs typer and
+rich, and ``make gpu-vendor`` puts neither on the path. It runs the benchmarks through their
+Python functions and settings (``bench.settings``), not their commands.
 pytest (step 1) and matplotlib (the PNGs) are used when present; each step says in one line
 when one is missing (``make gpu-vendor`` puts pytest's pure-Python wheels in ``.gpu-vendor/``,
 which ``make gpu-check`` adds to the path).
@@ -39,6 +42,7 @@ import torch
 
 from . import compiled, scale
 from .common import load_for, machine, write
+from .settings import CompiledSettings, LongSettings
 
 # Sizes when a flag is not given: the GPU run, and the CPU dry run of the same steps.
 SIZES = {"cuda": {"batches": "1,64", "long_batch": 32, "out_dir": "benchmarks/results/gpu"},
@@ -199,8 +203,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     out = Path(args.out_dir)
-    model_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-                  *(["--threads", str(args.threads)] if args.threads else [])]
+    model_args = dict(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     steps: dict[str, float] = {}
     summary: list[dict] = []
 
@@ -212,9 +215,8 @@ def main(argv=None) -> int:
     print(f"\n== gpu-check 2/3: compiled-step benchmark, {args.model} in {args.dtype}, batches {args.batches}",
           flush=True)
     t0 = time.perf_counter()
-    compiled_args = compiled.parse_args([*model_args, "--methods", "full,tova", "--budget", str(args.budget),
-                                         "--new-tokens", str(args.new_tokens), "--batches", args.batches,
-                                         "--out", str(out / "compiled.json")])
+    compiled_args = CompiledSettings(**model_args, methods="full,tova", budget=args.budget, new_tokens=args.new_tokens,
+                                     batches=args.batches, out=str(out / "compiled.json"))
     model, tok = load_for(compiled_args)
     compiled_rows = compiled.run(model, tok, compiled_args)
     steps["compiled benchmark"] = time.perf_counter() - t0
@@ -228,10 +230,9 @@ def main(argv=None) -> int:
     else:
         mode, lengths = long_plan(compiled_rows, args.long_batch, modes, args.time_limit - (t0 - start))
     if lengths:
-        long_args = scale.parse_args([*model_args, "--methods", "tova", "--budget", str(args.long_budget),
-                                      "--batch", str(args.long_batch), "--lengths", ",".join(map(str, lengths)),
-                                      "--out", str(out / "long.json"), *(["--compile"] if mode == "compiled" else [])],
-                                     name="long")
+        long_args = LongSettings(**model_args, methods="tova", budget=args.long_budget, batch=args.long_batch,
+                                 lengths=",".join(map(str, lengths)), out=str(out / "long.json"),
+                                 compile=mode == "compiled")
         result = scale.run(model, tok, long_args)
         summary += long_summary(result["rows"], result["every"], mode)
     else:

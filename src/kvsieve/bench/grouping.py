@@ -16,14 +16,15 @@ order and batches cut after sorting by prompt length, and reports in one run:
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import asdict
 
 from ..data import load_dataset
 from ..generate import GenerateConfig, encode_prompts, generate
 from ..methods import make_policy
 from ..data.batching import group_by_prefill_length, padding_tokens
-from .common import add_compile_arg, add_model_args, load_for, machine, profiled, write
+from .common import machine, profiled, write
+from .settings import GroupingSettings
 
 
 def run_batches(model, tok, prompts, batches, method: str, budget: int, config: GenerateConfig) -> dict:
@@ -44,7 +45,7 @@ def run_batches(model, tok, prompts, batches, method: str, budget: int, config: 
             "compression_events": [s.compression_events for s in stats]}
 
 
-def measure(model, tok, args) -> dict:
+def measure(model, tok, args: GroupingSettings) -> dict:
     samples = load_dataset(args.dataset, args.data, limit=args.samples)
     prompts = [s.messages for s in samples]
     config = GenerateConfig(max_new_tokens=args.new_tokens, compile=args.compile)
@@ -72,27 +73,10 @@ def measure(model, tok, args) -> dict:
             "prompt_lengths": lengths}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvsieve bench grouping", description=__doc__.split("\n")[0])
-    add_model_args(ap)
-    ap.add_argument("--method", default="skipkv")
-    ap.add_argument("--budget", type=int, default=96)
-    ap.add_argument("--dataset", default="gsm8k")
-    ap.add_argument("--data", default=None, help="local file or directory of the data set")
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    add_compile_arg(ap)
-    ap.add_argument("--out", default="benchmarks/results/grouping.json")
-    args = ap.parse_args(argv)
-    if args.batch < 1 or args.samples < 1:
-        ap.error("--batch and --samples must be >= 1")
-    model, tok = load_for(args)
+def run(model, tok, args: GroupingSettings) -> dict:
+    """Both orders of the same prompts; prints the comparison and writes its JSON."""
     with profiled(args.profile):
         result = measure(model, tok, args)
     write(args.out, {"benchmark": "grouping", "model": args.model, "machine": machine(model),
-                     "settings": vars(args), **result})
-
-
-if __name__ == "__main__":
-    main()
+                     "settings": asdict(args), **result})
+    return result

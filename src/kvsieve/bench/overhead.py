@@ -24,16 +24,17 @@ vs a full cache of that length (tokens/s ratio = full's ms/step over the policy'
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
 from kvsieve import make_policy
 from kvsieve.attention import ATTN_IMPLEMENTATION
-from kvsieve.bench.common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, write
+from kvsieve.bench.common import machine, plot, profiled, write
+from kvsieve.bench.settings import OverheadSettings, names, numbers
 from kvsieve.methods import method_names
 from kvsieve.policy import SCORERS
 from kvsieve.session import DecodeSession
@@ -190,20 +191,9 @@ def _sync(model):
         torch.cuda.synchronize()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvsieve bench overhead", description=__doc__.split("\n")[0])
-    add_model_args(ap)
-    ap.add_argument("--methods", default=",".join([*(m for m in method_names() if m != "full"), *PAPER_WRAPPED]))
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=1, help="paired runs per method; the median ratio is reported")
-    ap.add_argument("--budget", type=int, default=None,
-                    help="policies hold this many tokens while full holds the length (decode speed-up)")
-    add_compile_arg(ap)
-    ap.add_argument("--out", default="benchmarks/results/policy_overhead.json")
-    args = ap.parse_args(argv)
-    model, _ = load_for(args)
+def run(model, tok, args: OverheadSettings) -> list[dict]:
+    """Every method's paired timing at every batch and length (the tokenizer is not needed: the
+    prompts are random ids); writes JSON and PNG."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
@@ -212,8 +202,9 @@ def main(argv=None):
     finally:
         model.set_attn_implementation(previous)
     out = write(args.out, {"benchmark": "overhead", "model": args.model, "machine": machine(model),
-                           "settings": vars(args), "rows": rows})
+                           "settings": asdict(args), "rows": rows})
     plot(out, lambda ax: draw(ax, rows))
+    return rows
 
 
 def draw(ax, rows: list[dict]) -> None:
@@ -239,12 +230,13 @@ def draw(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def measure(model, args) -> list[dict]:
+def measure(model, args: OverheadSettings) -> list[dict]:
+    methods = names(args.methods) if args.methods else [*method_names(), *PAPER_WRAPPED]
     rows = []
-    for batch in map(int, args.batches.split(",")):
-        for length in map(int, args.lengths.split(",")):
+    for batch in numbers(args.batches):
+        for length in numbers(args.lengths):
             print(f"batch {batch} length {length}:", flush=True)
-            for method in [m for m in args.methods.split(",") if m != "full"]:
+            for method in [m for m in methods if m != "full"]:
                 pairs = [time_method(model, method, batch, length, args.steps, args.budget, args.compile)
                          for _ in range(args.rounds)]
                 if math.isnan(pairs[0][0]):
@@ -261,6 +253,3 @@ def measure(model, args) -> list[dict]:
                       flush=True)
     return rows
 
-
-if __name__ == "__main__":
-    main()

@@ -11,29 +11,30 @@ and long generation. Each figure is a ratio to ``full`` measured in the same run
 
 from __future__ import annotations
 
-import argparse
 import math
+from dataclasses import asdict
 
 from ..generate import GenerateConfig
 from ..memory import max_batch_size
 from ..methods import make_policy
-from .common import add_compile_arg, add_model_args, load_for, machine, plot, profiled, timed_generate, tokens_per_s_between, write
+from .common import machine, plot, profiled, timed_generate, tokens_per_s_between, write
+from .settings import ScaleSettings, names, numbers
 
 
 CHECK_EVERY = GenerateConfig.check_every  # decode steps between host checks: where clock readings land
 
 
-def run_each(model, tok, args, new_tokens: int, **timing) -> list[dict]:
+def run_each(model, tok, args: ScaleSettings, new_tokens: int, **timing) -> list[dict]:
     """``timed_generate`` for ``full`` and then each of ``--methods``, reporting each run as it ends."""
     runs = []
-    for method in ["full", *args.methods]:
+    for method in ["full", *names(args.methods)]:
         runs.append(timed_generate(model, tok, method, args.budget, args.batch, new_tokens, compile=args.compile,
                                    **timing))
         print(f"{method}: {new_tokens} tokens x {args.batch} rows in {runs[-1]['wall_s']:.0f} s", flush=True)
     return runs
 
 
-def memory(model, tok, args) -> dict:
+def memory(model, tok, args: ScaleSettings) -> dict:
     """Peak allocated KV bytes as ``--batch`` rows generate ``new_tokens``: full grows, bounded stays flat."""
     rows = run_each(model, tok, args, args.new_tokens)
     full = rows[0]
@@ -57,12 +58,12 @@ def memory(model, tok, args) -> dict:
     return {"rows": rows, "draw": draw}
 
 
-def throughput(model, tok, args) -> dict:
+def throughput(model, tok, args: ScaleSettings) -> dict:
     """Largest batch under ``--kv-memory-gb`` per method and the total tokens/s it reaches."""
     prompt_len = len(tok.apply_chat_template([{"role": "user", "content": "x" * 10}], tokenize=True,
                                              add_generation_prompt=True, return_dict=False)) + 40
     rows = []
-    for method in ["full", *args.methods]:
+    for method in ["full", *names(args.methods)]:
         policy = make_policy(method, budget=None if method == "full" else args.budget)
         batch = min(args.max_batch, max_batch_size(model, policy, prompt_len, args.new_tokens, args.kv_memory_gb))
         if batch == 0:
@@ -95,14 +96,14 @@ def throughput(model, tok, args) -> dict:
     return {"rows": rows, "draw": draw}
 
 
-def long(model, tok, args) -> dict:
+def long(model, tok, args: ScaleSettings) -> dict:
     """Decode tokens/s of full vs bounded methods over long generations (batch ``--batch``).
 
     Each method generates once, to the longest of ``--lengths``; the clock read on the way gives
     its speed over the first L tokens for every L asked for (the mean over the whole run to L) and
     over the last stretch before L (the speed *at* that length), and the run's KV bytes trace
     shows the memory as it grows."""
-    lengths = sorted(args.lengths)
+    lengths = sorted(numbers(args.lengths))
     if any(n % CHECK_EVERY for n in lengths):
         raise ValueError(f"--lengths {lengths}: each must be a multiple of {CHECK_EVERY} (the decode loop's host check)")
     every = math.gcd(256, *lengths)
@@ -142,47 +143,15 @@ def long(model, tok, args) -> dict:
 
 
 RUNS = {"memory": memory, "throughput": throughput, "long": long}
-DEFAULTS = {"long": {"methods": "tova,lazy", "budget": 512, "batch": 8}}  # issue 7's long-generation comparison
 
 
-def parse_args(argv=None, name: str | None = None) -> argparse.Namespace:
-    """Options of benchmark ``name`` (read from argv's first word when None), with its defaults."""
-    if name is None:  # python -m kvsieve.bench.scale NAME ...
-        pre = argparse.ArgumentParser(add_help=False)
-        pre.add_argument("name", choices=sorted(RUNS))
-        known, argv = pre.parse_known_args(argv)
-        name = known.name
-    ap = argparse.ArgumentParser(prog=f"kvsieve bench {name}", description=__doc__.split("\n")[0])
-    add_model_args(ap)
-    ap.add_argument("--methods", default="tova,streaming", type=lambda s: [m for m in s.split(",") if m])
-    ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=2048)
-    ap.add_argument("--lengths", default=[4096, 8192], type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--kv-memory-gb", type=float, default=0.25)
-    ap.add_argument("--max-batch", type=int, default=64, help="cap on the admitted batch (CPU time)")
-    add_compile_arg(ap)
-    ap.add_argument("--out", default=None)
-    ap.set_defaults(name=name, **DEFAULTS.get(name, {}))
-    return ap.parse_args(argv)
-
-
-def run(model, tok, args) -> dict:
+def run(model, tok, args: ScaleSettings) -> dict:
     """Benchmark ``args.name`` on a loaded model; writes its JSON (``--out``) and PNG, returns its result."""
     with profiled(args.profile):
         result = RUNS[args.name](model, tok, args)
     out = write(args.out or f"benchmarks/results/{args.name}.json",
                 {"benchmark": args.name, "model": args.model, "machine": machine(model),
-                 "settings": vars(args), "rows": result["rows"],
+                 "settings": asdict(args), "rows": result["rows"],
                  **({"runs": result["runs"]} if "runs" in result else {})})
     plot(out, result["draw"], result.get("panels", 1))
     return result
-
-
-def main(argv=None, name: str | None = None):
-    args = parse_args(argv, name)
-    run(*load_for(args), args)
-
-
-if __name__ == "__main__":
-    main()
