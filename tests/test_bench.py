@@ -217,3 +217,14 @@ def test_long_benchmark_reads_every_length_off_one_run_per_method(smollm):
     assert rows["streaming", 32]["kv_bytes_vs_full"] < 1
     with pytest.raises(ValueError, match="multiple of 8"):
         long(model, tok, LongSettings(lengths="30"))
+
+
+def test_overhead_leaves_triattention_out_without_its_statistics_file(capsys):
+    """TriAttention reads a per-model statistics file: without --stats it is named as not timed,
+    never a traceback (it cannot be built without one)."""
+    from kvsieve.bench.overhead import measure
+    from kvsieve.bench.settings import OverheadSettings
+
+    rows = measure(None, OverheadSettings(methods="triattention", lengths="64", batches="1", steps=2))
+    assert rows == [] and "triattention   not timed: needs --stats FILE (kvsieve calibrate triattention)" in \
+        capsys.readouterr().out

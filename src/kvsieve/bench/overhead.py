@@ -72,10 +72,10 @@ class _Timed:
     """One method's filled session and its decode step, run exactly as ``generate`` runs it."""
 
     def __init__(self, model, method: str, batch: int, length: int, steps: int, budget: int | None,
-                 compile: bool = False):
+                 compile: bool = False, settings: dict | None = None):
         self.model, self.batch, self.steps, self.compile = model, batch, steps, compile
         self.held = length if budget is None or method == "full" else budget
-        settings = {"window": 16} if method == "lazy" else {}
+        settings = {**({"window": 16} if method == "lazy" else {}), **(settings or {})}
         budgeted = method == "full" or SCORERS[method.split(":")[-1]].needs.uses_budget
         if budgeted and method != "full":
             # the filled tokens stand for generated ones, which compete for the budget (a protected
@@ -126,7 +126,7 @@ class _Timed:
 
 @torch.inference_mode()
 def time_method(model, method: str, batch: int, length: int, steps: int,
-                budget: int | None = None, compile: bool = False) -> tuple[float, float]:
+                budget: int | None = None, compile: bool = False, settings: dict | None = None) -> tuple[float, float]:
     """(seconds per decode step of ``method``, seconds per step of ``full``), measured in pairs.
 
     The two run step for step, alternating which goes first, each on its own cache, and each
@@ -145,7 +145,7 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     if budget is not None and method != "full" and not SCORERS[method.split(":")[-1]].needs.uses_budget:
         return float("nan"), float("nan")
     full = _Timed(model, "full", batch, length, steps, None, compile)
-    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget, compile)
+    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget, compile, settings)
     runners = [r for r in (full, ours) if r is not None]
     for _ in range(3 if compile else 2):  # warm-up (compiling, with --compile)
         for r in runners:
@@ -230,15 +230,23 @@ def draw(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
+CALIBRATED = ("triattention",)  # methods that read a per-model statistics file (``--stats``)
+
+
 def measure(model, args: OverheadSettings) -> list[dict]:
     methods = names(args.methods) if args.methods else [*method_names(), *PAPER_WRAPPED]
     rows = []
+    calibrated = {"stats": args.stats} if args.stats else None
     for batch in numbers(args.batches):
         for length in numbers(args.lengths):
             print(f"batch {batch} length {length}:", flush=True)
             for method in [m for m in methods if m != "full"]:
-                pairs = [time_method(model, method, batch, length, args.steps, args.budget, args.compile)
-                         for _ in range(args.rounds)]
+                needs_stats = method.split(":")[-1] in CALIBRATED
+                if needs_stats and calibrated is None:
+                    print(f"  {method:14s} not timed: needs --stats FILE (kvsieve calibrate triattention)", flush=True)
+                    continue
+                pairs = [time_method(model, method, batch, length, args.steps, args.budget, args.compile,
+                                     calibrated if needs_stats else None) for _ in range(args.rounds)]
                 if math.isnan(pairs[0][0]):
                     print(f"  {method:14s} not timed: no token budget to hold the length at", flush=True)
                     continue

@@ -92,6 +92,8 @@ class OverheadSettings(CompileSettings):
     rounds: int = option(1, "paired runs per method; the median ratio is reported")
     budget: Optional[int] = option(None, "policies hold this many tokens while full holds the length "
                                          "(decode speed-up)")
+    stats: Optional[str] = option(None, "TriAttention statistics of --model (kvsieve calibrate triattention); "
+                                        "without it triattention is not timed")
     out: Optional[str] = "benchmarks/results/policy_overhead.json"
 
 
