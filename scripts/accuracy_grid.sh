@@ -2,6 +2,7 @@
 # Issue 35's accuracy grid: Qwen2.5-Coder-1.5B (bundled, fp32, greedy), every cell from one pinned commit.
 #
 #   scripts/accuracy_grid.sh pin COMMIT     record the commit the grid runs (results/accuracy-grid/PIN)
+#   scripts/accuracy_grid.sh pin-tri COMMIT record the commit stage 4 (TriAttention, issue 34) runs (PIN-triattention)
 #   scripts/accuracy_grid.sh run [STAGE..]  resume the stages (default: 1 2), nice'd, in the foreground
 #   scripts/accuracy_grid.sh start [STAGE..] the same under nohup in the background (log: results/accuracy-grid/grid.log)
 #   scripts/accuracy_grid.sh status         rows per cell so far
@@ -18,6 +19,10 @@
 #      with its prompt competing (+competes) beside its default (kept), so it compares like with like
 #   2  MATH-500 problems 100-149, budget 256, 768 new tokens: the 11 methods
 #   3  GSM8K test 0-99, budget 64, 512 new tokens: the five seed methods and random
+#   4  TriAttention (issue 34) at stage 1's problems, budget and length, from its own pinned commit
+#      (PIN-triattention; the golden test shows nothing else changed since PIN), with the statistics
+#      of results/triattention/ (kvsieve calibrate triattention on GSM8K-train); its rows join
+#      stage 1's report beside R-KV and SnapKV-style baselines
 #
 # Settings that are not a method's default, each the setting of the comparison its paper makes:
 #   tova      prefill_block=true: CAOTE compares with its bases under block-wise prefill (Table 10)
@@ -32,46 +37,63 @@ ROOT=$PWD
 GRID=results/accuracy-grid
 GRID_TREE=${GRID_TREE:-$ROOT/../kvsieve-grid-tree}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+TRI_STATS=${TRI_STATS:-$ROOT/results/triattention/qwen2.5-coder-1.5b-stats.pt}
 BATCH=${BATCH:-50}
 THREADS=${THREADS:-2}
 
 METHODS=full,lazy,ams:tova,skipkv,caote:tova,lagkv,tova,h2o,rkv,expected,random
 PROTECTED=lazy+protect,ams:tova+protect,skipkv+protect,caote:tova+protect,rkv+competes
-SETTINGS=(--set tova.prefill_block=true --set h2o.recent_rule=lazy-window --set lagkv.lag=128 --set lagkv.ratio=0.125
-          --set lazy+protect.protect_prompt=true --set ams:tova+protect.protect_prompt=true
-          --set skipkv+protect.protect_prompt=true --set caote:tova+protect.protect_prompt=true
-          --set rkv+competes.protect_prompt=false)
+# --set flags per group of methods: eval refuses a setting for a method not in its --methods, so
+# each stage passes the settings of its own methods only
+LAGKV_SET="--set lagkv.lag=128 --set lagkv.ratio=0.125"
+BASE_SET="--set tova.prefill_block=true --set h2o.recent_rule=lazy-window $LAGKV_SET"
+PROTECT_SET="--set lazy+protect.protect_prompt=true --set ams:tova+protect.protect_prompt=true
+             --set skipkv+protect.protect_prompt=true --set caote:tova+protect.protect_prompt=true
+             --set rkv+competes.protect_prompt=false"
 
 stage_args() {  # stage -> its eval arguments
   case $1 in
     1) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
-             --methods $METHODS,$PROTECTED --out $GRID/stage1-gsm8k-b128" ;;
+             --methods $METHODS,$PROTECTED $BASE_SET $PROTECT_SET --out $GRID/stage1-gsm8k-b128" ;;
     2) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
-             --max-new-tokens 768 --methods $METHODS --out $GRID/stage2-math500-b256" ;;
+             --max-new-tokens 768 --methods $METHODS $BASE_SET --out $GRID/stage2-math500-b256" ;;
     3) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 64 --max-new-tokens 512
-             --methods full,lazy,ams:tova,skipkv,caote:tova,lagkv,random --out $GRID/stage3-gsm8k-b64" ;;
-    *) echo "unknown stage $1 (1, 2 or 3)" >&2; return 1 ;;
+             --methods full,lazy,ams:tova,skipkv,caote:tova,lagkv,random $LAGKV_SET --out $GRID/stage3-gsm8k-b64" ;;
+    4) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
+             --methods triattention --set triattention.stats=$TRI_STATS --out $GRID/stage4-gsm8k-b128-triattention" ;;
+    *) echo "unknown stage $1 (1, 2, 3 or 4)" >&2; return 1 ;;
   esac
 }
 
-tree() {  # the pinned worktree, made on first use
-  [[ -f $GRID/PIN ]] || { echo "no pinned commit: scripts/accuracy_grid.sh pin COMMIT" >&2; exit 1; }
-  local pin
-  pin=$(cat $GRID/PIN)
-  if [[ ! -d $GRID_TREE ]]; then
+pin_of() {  # stage -> the file holding its pinned commit
+  if [[ $1 == 4 ]]; then echo "$GRID/PIN-triattention"; else echo "$GRID/PIN"; fi
+}
+
+tree_of() {  # stage -> the worktree it runs from
+  if [[ $1 == 4 ]]; then echo "$GRID_TREE-triattention"; else echo "$GRID_TREE"; fi
+}
+
+tree() {  # stage -> its pinned worktree, made on first use
+  local pin_file tree pin
+  pin_file=$(pin_of "$1")
+  tree=$(tree_of "$1")
+  [[ -f $pin_file ]] || { echo "no pinned commit in $pin_file: scripts/accuracy_grid.sh pin COMMIT (or pin-tri)" >&2; exit 1; }
+  pin=$(cat "$pin_file")
+  if [[ ! -d $tree ]]; then
     git worktree prune
-    git worktree add --detach "$GRID_TREE" "$pin" >&2
+    git worktree add --detach "$tree" "$pin" >&2
   fi
-  [[ $(git -C "$GRID_TREE" rev-parse HEAD) == "$pin" ]] || { echo "$GRID_TREE is not at $pin" >&2; exit 1; }
+  [[ $(git -C "$tree" rev-parse HEAD) == "$pin" ]] || { echo "$tree is not at $pin" >&2; exit 1; }
 }
 
 run_stage() {
   local args
   args=$(stage_args "$1")
+  tree "$1"
   echo "$(date -u +%FT%TZ) stage $1: start"
   # shellcheck disable=SC2086  # stage_args is a word list
-  PYTHONPATH=$GRID_TREE/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.eval eval \
-    --model qwen2.5-coder-1.5b $args --batch-size "$BATCH" --pin-commit --no-progress "${SETTINGS[@]}"
+  PYTHONPATH=$(tree_of "$1")/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.eval eval \
+    --model qwen2.5-coder-1.5b $args --batch-size "$BATCH" --pin-commit --no-progress
   echo "$(date -u +%FT%TZ) stage $1: done"
 }
 
@@ -79,13 +101,15 @@ case ${1:-run} in
   pin)
     [[ -n ${2:-} ]] || { echo "usage: $0 pin COMMIT" >&2; exit 2; }
     mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN && cat $GRID/PIN ;;
+  pin-tri)
+    [[ -n ${2:-} ]] || { echo "usage: $0 pin-tri COMMIT" >&2; exit 2; }
+    mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN-triattention && cat $GRID/PIN-triattention ;;
   run)
     shift || true
-    tree
     for stage in "${@:-1 2}"; do for s in $stage; do run_stage "$s"; done; done ;;
   start)
     shift || true
-    tree
+    for stage in "${@:-1 2}"; do for s in $stage; do tree "$s"; done; done  # fail now, not in the background
     mkdir -p $GRID
     nohup "$0" run "$@" >> $GRID/grid.log 2>&1 &
     echo "started (pid $!); follow it with: tail -f $GRID/grid.log" ;;
@@ -98,5 +122,5 @@ for stage in sorted(p for p in pathlib.Path(sys.argv[1]).iterdir() if p.is_dir()
     print(stage.name, ", ".join(f"{m}@{b}: {n}" for (m, b), n in rows.items()) or "no rows")
 PY
     ;;
-  *) echo "usage: $0 pin COMMIT | run [STAGE..] | start [STAGE..] | status" >&2; exit 2 ;;
+  *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status" >&2; exit 2 ;;
 esac
