@@ -114,6 +114,17 @@ def test_prompts_of_another_type_are_refused_by_index(llama, prompts, expected):
     assert message(generate, model, tok, prompts) == expected
 
 
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(policy="tova"), "policy= must be a Policy, e.g. make_policy('tova', budget=128), got 'tova' (str)"),
+    (dict(config={"max_new_tokens": 2}), "config= must be a GenerateConfig, e.g. GenerateConfig(max_new_tokens=64), "
+                                         "got {'max_new_tokens': 2} (dict)"),
+])
+def test_a_policy_or_config_of_another_type_is_refused_by_keyword(llama, kwargs, expected):
+    """They used to raise AttributeErrors from deep inside (no attribute 'for_horizon', 'chat_template')."""
+    model, tok = llama
+    assert message(generate, model, tok, ["hi"], **kwargs) == expected
+
+
 def test_token_id_prompts_decode_as_their_text_does(llama):
     """A list of ints is one prompt of token ids, taken as given; a list of such lists is a batch."""
     model, tok = llama
