@@ -222,6 +222,17 @@ def test_a_steering_vector_of_the_wrong_length_or_layer_is_refused_before_decodi
     assert message(Steering(forged).attach(model, None).__enter__) == expected  # generate(..., hooks=[steering])
 
 
+def test_a_steering_vector_built_for_another_model_is_refused_naming_the_fix(llama):
+    """generate(hooks=[Steering(vector)]) used to say only "steering vector for {...} used on {...}"."""
+    model, tok = llama
+    built_for = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 30, "vocab_size": 49152}
+    forged = SteeringVector(torch.ones(32), 1, "smollm2-135m", built_for, {})
+    assert message(generate, model, tok, ["hi"], hooks=[Steering(forged)]) == (
+        f"steering vector was built for smollm2-135m {built_for}, not for unknown {{'model_type': 'llama', "
+        "'hidden_size': 32, 'num_hidden_layers': 2, 'vocab_size': 258}; build one for this model "
+        "(kvsieve steering build --model ...)")
+
+
 def test_steering_strengths_are_type_checked():
     assert message(Steering, None, alpha0="1") == "alpha0= must be a number, got '1' (str)"
 
