@@ -82,6 +82,13 @@ def test_eval_says_an_empty_data_file_has_nothing_to_run(tmp_path):
     assert not (tmp_path / "out").exists()  # no empty run written
 
 
+def test_eval_says_a_shard_without_samples_has_nothing_to_run(gsm, tmp_path):
+    """It used to write an empty run and print an empty table."""
+    assert error_of(*eval_args(gsm, tmp_path / "out", "--shard", "3/4")) == (
+        "Invalid value: --shard 3/4 holds none of the 2 samples of gsm8k: nothing to run; use at most 2 shards")
+    assert not (tmp_path / "out").exists()  # no empty run written
+
+
 def test_eval_names_the_file_and_line_of_a_byte_that_is_not_utf8(tmp_path):
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(json.dumps(GSM[0]).encode() + b"\n" + '{"question": "caf\xe9?", "answer": "#### 3"}\n'

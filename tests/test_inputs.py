@@ -114,6 +114,17 @@ def test_prompts_of_another_type_are_refused_by_index(llama, prompts, expected):
     assert message(generate, model, tok, prompts) == expected
 
 
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(policy="tova"), "policy= must be a Policy, e.g. make_policy('tova', budget=128), got 'tova' (str)"),
+    (dict(config={"max_new_tokens": 2}), "config= must be a GenerateConfig, e.g. GenerateConfig(max_new_tokens=64), "
+                                         "got {'max_new_tokens': 2} (dict)"),
+])
+def test_a_policy_or_config_of_another_type_is_refused_by_keyword(llama, kwargs, expected):
+    """They used to raise AttributeErrors from deep inside (no attribute 'for_horizon', 'chat_template')."""
+    model, tok = llama
+    assert message(generate, model, tok, ["hi"], **kwargs) == expected
+
+
 def test_token_id_prompts_decode_as_their_text_does(llama):
     """A list of ints is one prompt of token ids, taken as given; a list of such lists is a batch."""
     model, tok = llama
@@ -209,6 +220,17 @@ def test_a_steering_vector_of_the_wrong_length_or_layer_is_refused_before_decodi
     forged = vector(model, values, layer)
     assert message(forged.check, model) == expected  # the CLI's check of a file
     assert message(Steering(forged).attach(model, None).__enter__) == expected  # generate(..., hooks=[steering])
+
+
+def test_a_steering_vector_built_for_another_model_is_refused_naming_the_fix(llama):
+    """generate(hooks=[Steering(vector)]) used to say only "steering vector for {...} used on {...}"."""
+    model, tok = llama
+    built_for = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 30, "vocab_size": 49152}
+    forged = SteeringVector(torch.ones(32), 1, "smollm2-135m", built_for, {})
+    assert message(generate, model, tok, ["hi"], hooks=[Steering(forged)]) == (
+        f"steering vector was built for smollm2-135m {built_for}, not for unknown {{'model_type': 'llama', "
+        "'hidden_size': 32, 'num_hidden_layers': 2, 'vocab_size': 258}; build one for this model "
+        "(kvsieve steering build --model ...)")
 
 
 def test_steering_strengths_are_type_checked():

@@ -347,8 +347,14 @@ def generate(
     scorer and recorded as ``settings[hook.name]``: ``hooks=[Steering(vector)]`` adds SkipKV's
     adaptive steering (``settings["steering"]``); none leaves the model untouched.
     """
-    policy = policy or Policy(scorer=None)
-    config = config or GenerateConfig()
+    policy = Policy(scorer=None) if policy is None else policy
+    config = GenerateConfig() if config is None else config
+    if not isinstance(policy, Policy):
+        raise SettingError("policy", "{name} must be a Policy, e.g. make_policy('tova', budget=128), got "
+                                     f"{shown(policy)}")
+    if not isinstance(config, GenerateConfig):
+        raise SettingError("config", "{name} must be a GenerateConfig, e.g. GenerateConfig(max_new_tokens=64), got "
+                                     f"{shown(config)}")
     check_supported(model)
     prompts, hooks = prompt_list(prompts), hook_list(hooks)
     if len(prompts) == 0:

@@ -114,12 +114,15 @@ class SteeringVector:
 
     def check(self, model, source: str | Path = "") -> "SteeringVector":
         """Refuse a vector measured on another model (by name and shape); returns ``self``."""
-        other = other_model(self.model_name, self.fingerprint, model)
-        if other:
-            where = f" {source}" if source else ""
-            raise SteeringModelError(f"steering vector{where} was {other}; build one for this model "
-                                     "(kvsieve steering build --model ...)")
+        if other_model(self.model_name, self.fingerprint, model):
+            raise self.built_for_another(model, source)
         return self.fits(model)
+
+    def built_for_another(self, model, source: str | Path = "") -> "SteeringModelError":
+        """The error for using this vector on ``model``, which it was not measured on."""
+        where = f" {source}" if source else ""
+        return SteeringModelError(f"steering vector{where} was {other_model(self.model_name, self.fingerprint, model)}; "
+                                  "build one for this model (kvsieve steering build --model ...)")
 
     @classmethod
     def load(cls, path: str | Path, model) -> "SteeringVector":
@@ -326,7 +329,7 @@ class Steering:
     def attach(self, model, tokenizer):
         """Install the pre-hook for one call; yield the loop's ``on_tokens(ids, query_pos, rows)``."""
         if self.vector.fingerprint != model_fingerprint(model):
-            raise ValueError(f"steering vector for {self.vector.fingerprint} used on {model_fingerprint(model)}")
+            raise self.vector.built_for_another(model)
         self.vector.fits(model)
         counter = OthersCounter(vocab_ids(tokenizer, self.delimiters).to(model.device),  # moved once, not per forward
                                 vocab_ids(tokenizer, self.keywords, strip=True).to(model.device))

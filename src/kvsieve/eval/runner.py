@@ -37,7 +37,13 @@ def load_samples(config: EvalConfig) -> list[Sample]:
     if config.skip and config.skip >= len(samples):
         raise ValueError(f"--skip {config.skip} passes over all {len(samples)} samples of {config.dataset}; "
                          "lower --skip")
-    return shard_samples(samples[config.skip:], config.shard)
+    kept = samples[config.skip:]
+    mine = shard_samples(kept, config.shard)
+    if not mine:
+        index, count = config.shard
+        raise ValueError(f"--shard {index}/{count} holds none of the {len(kept)} samples of {config.dataset}: "
+                         f"nothing to run; use at most {len(kept)} shards")
+    return mine
 
 
 def make_cell_policy(config: EvalConfig, cell: Cell):
