@@ -797,7 +797,8 @@ def totals(results: list[Result]) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="ID", help="run these probes only")
-    parser.add_argument("--out", default=str(ROOT / "results" / "input-probes.json"))
+    parser.add_argument("--out", default=None, help="JSON of every record (default: results/input-probes.json "
+                                                    "for a whole run; a run with --only writes only to --out)")
     parser.add_argument("--exec", nargs=2, metavar=("ID", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.exec:
@@ -823,8 +824,12 @@ def main() -> None:
     print(table(results))
     counts = totals(results)
     print(f"\n{len(results)} probes in {wall:.0f} s: " + ", ".join(f"{n} {o}" for o, n in counts.items()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"probes": len(results), "seconds": round(wall, 1), "totals": counts,
+    if args.only and args.out is None:  # a subset must not replace the record of the whole run
+        print("subset run: results/input-probes.json left as it is (give --out to write these records)")
+        return
+    out = Path(args.out or ROOT / "results" / "input-probes.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"probes": len(results), "seconds": round(wall, 1), "totals": counts,
                                           "python": sys.version.split()[0],
                                           "records": [r.record() for r in results]}, indent=1) + "\n")
 
