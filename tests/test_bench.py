@@ -200,6 +200,7 @@ def test_profile_flag_writes_a_chrome_trace_and_an_op_table(tmp_path):
     assert "aten::mm" in (tmp_path / "prof" / "trace.json.txt").read_text()
 
 
+@pytest.mark.slow  # ~7 s
 def test_long_benchmark_reads_every_length_off_one_run_per_method(smollm):
     """One generation per method to the longest length; each shorter length is read off its clock,
     and the bounded method's KV bytes stay flat below full's."""

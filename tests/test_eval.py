@@ -756,6 +756,7 @@ def test_manifest_keys_steering_by_vector_content_not_path(steering_files, tmp_p
         check_manifest(tmp_path, config(steering_files["a"], steering_settings={"alpha0": 2.0}).result_fields())
 
 
+@pytest.mark.slow  # ~9 s; the steering check of eval stays in the default suite (another model's vector)
 def test_grid_runs_steered_and_unsteered_rows_side_by_side(smollm, gsm_file, steering_files, tmp_path):
     model, tok = smollm
     zero = tiny_config(tmp_path / "zero", gsm_file, methods=("tova", "tova+steer"), steering=steering_files["a"],

@@ -157,8 +157,8 @@ def test_streaming_cache_equals_dense_forward_over_kept_tokens(smollm, monkeypat
 
 
 
-@pytest.mark.parametrize("method", ["full", "tova", "lazy", *(pytest.param(m, marks=pytest.mark.slow)
-                                                              for m in ("h2o", "snapkv"))])
+@pytest.mark.parametrize("method", ["full", "tova", *(pytest.param(m, marks=pytest.mark.slow)  # tova: the in-place path
+                                                      for m in ("lazy", "h2o", "snapkv"))])
 def test_static_shapes_fix_every_address_while_decoding_and_change_no_token(smollm, monkeypatch, method):
     """GenerateConfig(static_shapes=True): each decode step sees the same storage (addresses and
     shapes of K/V, lengths, metadata and query window) -- what a compiled step needs -- and
