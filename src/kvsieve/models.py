@@ -117,7 +117,7 @@ def cache_dir() -> Path:
 
 def _bundled(name: str) -> BundledModel:
     if name not in BUNDLED:
-        raise ValueError(f"unknown bundled model {name!r}; bundled: {', '.join(BUNDLED)}")
+        raise ValueError(f"unknown bundled model {name!r}{did_you_mean(name, BUNDLED)}; bundled: {', '.join(BUNDLED)}")
     return BUNDLED[name]
 
 
