@@ -297,8 +297,7 @@ class _Rows:
 
     def finish(self, session: DecodeSession, cache_rows: list[int], decode_start: float) -> None:
         """Fill in the statistics of the rows in ``cache_rows`` and hand them to ``on_finish``."""
-        final, peak = session.row_kv_tokens(cache_rows)
-        steady = session.row_steady_peaks(cache_rows)
+        final, peak, steady = session.row_kv_tokens(cache_rows)
         decode_s = time.perf_counter() - decode_start - session.compile_s
         for cache_row, final_tokens, peak_tokens, steady_tokens in zip(cache_rows, final, peak, steady):
             row = session.slots[cache_row]

@@ -387,20 +387,16 @@ class DecodeSession:
             live = self.cache.live_tokens()[running].float().mean() / self.model.config.num_key_value_heads
             self.live_kv_trace.append((self.steps, float(live)))
 
-    def row_kv_tokens(self, cache_rows: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """(final, peak) live tokens per layer for ``cache_rows`` (one host read)."""
+    def row_kv_tokens(self, cache_rows: list[int]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """(final, peak, steady peak) live tokens per layer for ``cache_rows`` (one host read).  The
+        steady peak is the peak after the batch's first compression (zeros when it never compressed):
+        the peak the budget bounds, without the prefill transient."""
         self._record_peak()
         index = torch.tensor(cache_rows, device=self.device)
-        final = self.cache.live_tokens()[index]
-        peak = self.peak_tokens[self.rows[index]]
-        both = torch.stack([final, peak]).tolist()
-        return both[0], both[1]
-
-    def row_steady_peaks(self, cache_rows: list[int]) -> list[list[int]]:
-        """Peak live tokens per layer of ``cache_rows`` after the batch's first compression (zeros
-        when it never compressed): the peaks the budget bounds, without the prefill transient.
-        Call after ``row_kv_tokens`` (which folds in the last peaks); one host read."""
-        return self.steady_peak_tokens[self.rows[torch.tensor(cache_rows, device=self.device)]].tolist()
+        rows = self.rows[index]
+        final, peak, steady = torch.stack([self.cache.live_tokens()[index], self.peak_tokens[rows],
+                                           self.steady_peak_tokens[rows]]).tolist()
+        return final, peak, steady
 
 
 def _sync(device) -> None:

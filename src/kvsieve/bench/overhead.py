@@ -170,8 +170,8 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
 def lag_steady_state(scorer, length: int) -> int:
     """Seen tokens at which a LagKV-style cache of ``length`` live tokens is in steady state:
     S sinks, p frozen partitions of k tokens and a tail of L to L + k - 1 tokens, so L more
-    steps at most complete the next partition.  ``_lag.find_tail`` reads p from seen - live,
-    so random tokens at any positions act as that state."""
+    steps at most complete the next partition.  ``_lag.find_tail`` reads p from seen - live, so
+    a prompt of this many tokens, compressed by LagKV itself after prefill, is that state."""
     S, L, k = scorer.sinks, scorer.lag, scorer.kept
     frozen = (length - S - L) // k
     if frozen < 1 or k >= L:

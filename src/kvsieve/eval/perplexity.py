@@ -64,7 +64,7 @@ def score_text(model, tokenizer, text: str, policy: Policy | None = None, max_to
                 break
             logp = session.step(ids_t[:, t]).float().log_softmax(dim=-1)
             session.maybe_compress()
-        final, peak = session.row_kv_tokens([0])
+        final, peak, _ = session.row_kv_tokens([0])
     score = TextScore(nll=nll.item(), scored_tokens=len(ids) - 1, prompt_tokens=len(ids), peak_kv_tokens=peak[0],
                       final_kv_tokens=final[0], peak_kv_bytes=session.peak_kv_bytes[0],
                       compression_events=session.compression_events[0], seconds=time.perf_counter() - start)

@@ -87,7 +87,7 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
         top = usage.masked_fill(~live, float("-inf")).amax(dim=-1, keepdim=True)
         usage = torch.where(key_pos >= first[:, None, None], top, usage)
     mass = (usage.clamp(min=0) + eps) * live  # Eq. (1)
-    return mass / mass.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(mass.dtype).tiny)
+    return normalize(mass)
 
 
 def ema_credit(credit, mass, live, lam: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
