@@ -576,6 +576,34 @@ def test_report_files(tmp_path):
         write_report(tmp_path / "empty")
 
 
+def test_report_joins_cells_of_another_directory_run_with_the_same_settings(tmp_path):
+    """A method run later from its own commit (the grid's stage 4) joins the first directory's table:
+    its cells pair with full's rows of the first directory, and the header names both commits."""
+    settings = {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80}
+    main, extra, other = tmp_path / "main", tmp_path / "extra", tmp_path / "other"
+    rows = synthetic_rows()
+    for path, cells, commit in ((main, [r for r in rows if r["method"] == "full"], "a" * 40),
+                                (extra, [r for r in rows if r["method"] == "tova"], "b" * 40)):
+        path.mkdir()
+        (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in cells))
+        check_manifest(path, {**settings, "source_commit": commit})
+    report = write_report(main, plots=False, join=[extra])
+    # the same cells and pairings as one directory holding every row (test_summary_numbers)
+    assert [s.label for s in report.summaries] == ["full", "tova@64", "tova@128"]
+    assert (report.summaries[1].lost, report.summaries[1].gained) == (2, 0)
+    md = (main / "report.md").read_text()
+    assert f"(full): commit {'a' * 12}" in md and f"(tova): commit {'b' * 12}" in md
+    assert not (extra / "report.md").exists()
+
+    other.mkdir()
+    (other / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["method"] == "tova"))
+    check_manifest(other, {**settings, "max_new_tokens": 512})
+    with pytest.raises(ValueError, match="max_new_tokens differs"):
+        write_report(main, plots=False, join=[other])
+    with pytest.raises(ValueError, match=r"cell tova@(64|128) is in both"):
+        write_report(main, plots=False, join=[extra, extra])
+
+
 def test_cells_report_peak_live_tokens_per_head_and_mark_cells_that_never_compressed():
     from kvsieve.eval.report import table_rows
 

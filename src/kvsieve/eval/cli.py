@@ -175,11 +175,13 @@ def report_command(
     directory: Path = typer.Argument(..., help="Results directory written by `kvsieve eval`."),
     plots: bool = typer.Option(True, help="Also draw the PNG plots."),
     common: bool = typer.Option(False, help="Only the samples every (method, budget) cell has (partial grids)."),
+    join: list[Path] = typer.Option([], help="Another results directory whose cells join the table (same model, "
+                                    "data and decoding in its run.json; repeatable). The files go to DIRECTORY."),
 ):
     """Write report.md, summary.csv and PNG plots for a results directory; print the table."""
     from .report import rich_table, write_report
 
-    report = _bad(write_report, directory, plots=plots, common=common)
+    report = _bad(write_report, directory, plots=plots, common=common, join=join)
     title = f"{report.manifest.get('model', '')} on {report.manifest.get('dataset', '')}".strip()
     console.print(rich_table(report.summaries, title=title if title != "on" else ""))
     console.print("wrote " + ", ".join(str(p) for p in report.files))

@@ -357,14 +357,60 @@ class Report:
     manifest: dict[str, Any]
 
 
-def _header(rows: list[dict[str, Any]], manifest: dict[str, Any]) -> str:
+def _header(rows: list[dict[str, Any]], manifest: dict[str, Any], sources: list["Source"]) -> str:
     ids = {r["id"] for r in rows}
     model = manifest.get("model") or rows[0].get("model")
     dataset = manifest.get("dataset") or rows[0].get("dataset")
     settings = ", ".join(f"{k}={manifest[k]}" for k in ("max_new_tokens", "temperature", "seed", "dtype")
                          if k in manifest)
-    return (f"# kvsieve evaluation: {model} on {dataset}\n\n"
-            f"{len(rows)} rows over {len(ids)} samples. Decoding: {settings or 'unknown (no run.json)'}.\n")
+    lines = [f"# kvsieve evaluation: {model} on {dataset}", "",
+             f"{len(rows)} rows over {len(ids)} samples. Decoding: {settings or 'unknown (no run.json)'}."]
+    if len(sources) > 1:  # joined directories: say which rows came from which commit
+        lines += ["", "Rows joined from:"] + [
+            f"- `{s.path}` ({', '.join(s.methods)}): commit {s.manifest.get('source_commit', 'unknown')[:12]}"
+            for s in sources]
+    elif manifest.get("source_commit"):
+        lines += ["", f"Source commit: {manifest['source_commit'][:12]}."]
+    return "\n".join(lines) + "\n"
+
+
+# run.json fields that must agree for rows of two directories to share a table
+JOIN_FIELDS = ("model", "dataset", "data_path", "max_new_tokens", "temperature", "seed", "dtype", "prefill_chunk")
+
+
+@dataclass
+class Source:
+    """One results directory of a (joined) report: its run.json and the methods of its rows."""
+
+    path: Path
+    manifest: dict[str, Any]
+    methods: list[str]
+
+
+def joined_rows(directory: Path, join: list[Path]) -> tuple[list[dict[str, Any]], list[Source]]:
+    """Rows of ``directory`` and of each ``join`` directory, which must have been run with the same
+    model, data and decoding (``JOIN_FIELDS`` of run.json) and hold no (method, budget) cell of another."""
+    sources, rows, owner = [], [], {}
+    for path in [directory, *join]:
+        found = load_results(path)
+        if not found:
+            raise ValueError(f"no result rows in {path} (expected results*.jsonl written by `kvsieve eval`)")
+        manifest = read_manifest(path)
+        if sources:
+            first = sources[0]
+            differ = [k for k in JOIN_FIELDS if first.manifest.get(k) != manifest.get(k)]
+            if differ:
+                k = differ[0]
+                raise ValueError(f"cannot join {path} to {first.path}: run.json's {k} differs ({manifest.get(k)!r} "
+                                 f"vs {first.manifest.get(k)!r}); join only runs of the same settings")
+        for cell in {(r["method"], r["budget"]) for r in found}:
+            if cell in owner:
+                raise ValueError(f"cell {cell[0]}@{cell[1]} is in both {owner[cell]} and {path}; "
+                                 "join directories that hold different cells")
+            owner[cell] = path
+        sources.append(Source(path, manifest, sorted({r["method"] for r in found})))
+        rows += found
+    return rows, sources
 
 
 def common_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -377,22 +423,23 @@ def common_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["id"] in shared]
 
 
-def write_report(directory: str | Path, plots: bool = True, common: bool = False) -> Report:
+def write_report(directory: str | Path, plots: bool = True, common: bool = False,
+                 join: list[str | Path] = ()) -> Report:
     """Write ``report.md``, ``summary.csv`` and (with ``plots``) the PNG plots into ``directory``;
-    ``common`` keeps only the samples every cell has (``common_rows``)."""
+    ``common`` keeps only the samples every cell has (``common_rows``); ``join`` adds the cells of
+    other results directories run with the same settings (``joined_rows``), e.g. a method run later
+    from its own pinned commit."""
     directory = Path(directory)
-    rows = load_results(directory)
-    if not rows:
-        raise ValueError(f"no result rows in {directory} (expected results*.jsonl written by `kvsieve eval`)")
+    rows, sources = joined_rows(directory, [Path(p) for p in join])
     if common:
         rows = common_rows(rows)
         if not rows:
             raise ValueError(f"no sample is shared by every cell in {directory}; drop --common")
-    manifest = read_manifest(directory)
+    manifest = sources[0].manifest
     summaries = summarize(rows)
     files = [directory / "summary.csv", directory / "report.md"]
     write_csv(summaries, files[0])
-    body = [_header(rows, manifest), markdown_table(summaries), ""]
+    body = [_header(rows, manifest, sources), markdown_table(summaries), ""]
     wide = side_by_side_table(summaries)
     if wide is not None:
         body += ["## Side by side", "", "A row per method, sorted by accuracy at the largest budget, then the next.",
