@@ -13,3 +13,21 @@ def smollm():
         return load_model("smollm2-135m", device="cpu", dtype="float32")
     except ModelNotInstalledError as err:  # `make test` installs it; a bare pytest may not have
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def full_greedy(smollm):
+    """``full_greedy(prompts, n)``: the bundled model's full-cache greedy output, decoded once per
+    session for each (prompts, new tokens): the reference of the exactness tests, which would
+    otherwise each decode it again."""
+    from kvsieve import GenerateConfig, generate
+
+    done = {}
+
+    def run(prompts, n: int):
+        key = (tuple(prompts), n)
+        if key not in done:
+            done[key] = generate(*smollm, list(prompts), None, GenerateConfig(max_new_tokens=n))
+        return done[key]
+
+    return run

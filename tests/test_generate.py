@@ -38,8 +38,8 @@ def test_full_matches_transformers_greedy(smollm):
 # triattention needs statistics of the model: tests/methods/test_triattention.py calibrates them and runs this test
 @pytest.mark.parametrize("method", [m for m in method_names() if m not in ("full", "triattention")
                                     and SCORERS[m].needs.uses_budget])
-def test_budget_at_least_length_reproduces_full(smollm, method):
-    full = tokens(smollm, [SHORT, LONG], None)
+def test_budget_at_least_length_reproduces_full(smollm, full_greedy, method):
+    full = full_greedy([SHORT, LONG], 24)
     ours = tokens(smollm, [SHORT, LONG], make_policy(method, budget=BIG))
     assert ours.token_ids == full.token_ids
     assert all(s.compression_events == 0 for s in ours.stats)
@@ -69,8 +69,8 @@ def test_observing_only_before_a_compression_changes_nothing_for_a_last_query_sc
 
 
 @pytest.mark.parametrize("allocator", ["pyramid", "adakv"])
-def test_allocators_with_large_budget_reproduce_full(smollm, allocator):
-    full = tokens(smollm, [SHORT, LONG], None)
+def test_allocators_with_large_budget_reproduce_full(smollm, full_greedy, allocator):
+    full = full_greedy([SHORT, LONG], 24)
     ours = tokens(smollm, [SHORT, LONG], make_policy("tova", budget=BIG, allocator=allocator, heads="group"))
     assert ours.token_ids == full.token_ids
 

@@ -362,11 +362,10 @@ LONG = ("Here is a short story. A fox lived near a river and every morning it wa
         "to drink. One day it met a heron standing on one leg. Tell me, in two sentences, what the fox said.")
 
 
-def test_ams_tova_with_budget_above_length_reproduces_full(smollm):
+def test_ams_tova_with_budget_above_length_reproduces_full(smollm, full_greedy):
     model, tok = smollm
-    config = GenerateConfig(max_new_tokens=24)
-    full = generate(model, tok, [SHORT, LONG], None, config)
-    ours = generate(model, tok, [SHORT, LONG], make_policy("ams:tova", budget=4096), config)
+    full = full_greedy([SHORT, LONG], 24)
+    ours = generate(model, tok, [SHORT, LONG], make_policy("ams:tova", budget=4096), GenerateConfig(max_new_tokens=24))
     assert ours.token_ids == full.token_ids and all(s.compression_events == 0 for s in ours.stats)
 
 

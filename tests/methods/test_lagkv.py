@@ -452,8 +452,8 @@ def test_hand_settings_are_flagged_against_the_grid_and_the_fit_fields_are_fitte
 
 
 @pytest.fixture(scope="module")
-def full_run(smollm):
-    return generate(*smollm, [SHORT, LONG], None, GenerateConfig(max_new_tokens=24))
+def full_run(full_greedy):
+    return full_greedy([SHORT, LONG], 24)
 
 
 def test_nothing_below_s_plus_2l_reproduces_full_greedy(smollm, full_run):

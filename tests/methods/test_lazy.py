@@ -402,11 +402,7 @@ def run(smollm, prompts, policy, n):
     return generate(model, tok, prompts, policy, GenerateConfig(max_new_tokens=n))
 
 
-def test_budget_at_least_length_reproduces_full_greedy(smollm):
-    full = run(smollm, [SHORT, LONG], None, 24)
-    lazy = run(smollm, [SHORT, LONG], make_policy("lazy", budget=4096, family="llama"), 24)
-    assert lazy.token_ids == full.token_ids
-    assert all(s.compression_events == 0 for s in lazy.stats)
+# a budget at least the length reproduces full greedy: tests/test_generate.py::test_budget_at_least_length_reproduces_full
 
 
 def watch_compress(monkeypatch):
