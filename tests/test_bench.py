@@ -49,12 +49,13 @@ def test_a_method_that_protects_its_prompt_is_timed_compressing(model):
 
 @pytest.mark.parametrize("method", ["full", "tova", pytest.param("snapkv", marks=pytest.mark.slow)])  # snapkv: decodes its interval untimed
 def test_time_method_gives_finite_paired_step_times_for_every_step_and_interval_methods(model, method):
-    ours, full = time_method(model, method, batch=1, length=96, steps=2)
+    ours, full, compression = time_method(model, method, batch=1, length=96, steps=2)
     assert 0 < ours < 60 and 0 < full < 60
     if method == "full":
-        assert ours == full  # full against itself is one measurement
-    ours, full = time_method(model, method, batch=1, length=160, steps=2, budget=96)
+        assert ours == full and compression == 0  # full against itself is one measurement
+    ours, full, compression = time_method(model, method, batch=1, length=160, steps=2, budget=96)
     assert 0 < ours < 60 and 0 < full < 60
+    assert (compression > 0) == (method == "snapkv")  # tova evicts inside its step
 
 
 @pytest.mark.slow  # prefills LagKV's steady state and decodes two partitions untimed: about a minute
@@ -69,8 +70,8 @@ def test_lagkv_timing_compresses_one_partition_per_charged_compression(model):
     live = int(timed.session.cache.layers[-1].live().sum(-1).max())
     seen = int(timed.session.cache.seen_tokens[0])
     assert 0 < seconds < 60 and live == before + (seen - timed.filled) - 2 * (128 - 32)
-    ours, full = time_method(model, "lagkv", batch=1, length=200, steps=2)
-    assert 0 < ours < 60 and 0 < full < 60
+    ours, full, compression = time_method(model, "lagkv", batch=1, length=200, steps=2)
+    assert 0 < ours < 60 and 0 < full < 60 and 0 < compression < 60
 
 
 def test_paired_timing_runs_full_and_the_method_alternately_on_their_own_caches(model, monkeypatch):
@@ -78,19 +79,21 @@ def test_paired_timing_runs_full_and_the_method_alternately_on_their_own_caches(
     the method's cache holds the budget while full's holds the length."""
     import kvsieve.bench.overhead as overhead
 
-    order, held = [], {}
+    order, held = [], []
     real_step = overhead._Timed.step
 
     def spy(self):
         order.append(self.policy.name)
-        held[self.policy.name] = int(self.session.cache.layers[0].live().sum(-1).max())
+        held.append(int(self.session.cache.layers[0].live().sum(-1).max()))
         return real_step(self)
 
     monkeypatch.setattr(overhead._Timed, "step", spy)
     time_method(model, "tova", batch=1, length=160, steps=4, budget=96)
     timed = order[4:]  # after two warm-up rounds of both
     assert timed == ["full", "tova", "tova", "full", "full", "tova", "tova", "full"]
-    assert held["tova"] == 96 and held["full"] >= 160
+    # before each timed step: tova holds its budget; full, prefilled with 2 tokens fewer than the
+    # length, holds the length at the first timed step (the two warm-up steps appended the rest)
+    assert held[4:] == [160, 96, 96, 161, 162, 96, 96, 163]
 
 
 def test_lagkv_has_no_budget_to_hold_a_length_at():

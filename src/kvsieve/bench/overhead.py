@@ -28,6 +28,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 
@@ -69,10 +70,15 @@ def decode_untimed(session: DecodeSession, count: int) -> None:
 
 
 class _Timed:
-    """One method's filled session and its decode step, run exactly as ``generate`` runs it."""
+    """One method's filled session and its decode step, run exactly as ``generate`` runs it.
+
+    ``lead`` untimed warm-up steps follow the prefill: a cache that grows while decoding (``full``,
+    interval methods) is prefilled with ``lead`` fewer tokens, so it holds ``held`` when the timed
+    steps begin without a second prefill (at 2048 tokens, batch 8, one prefill of the 0.5B takes
+    minutes on this CPU)."""
 
     def __init__(self, model, method: str, batch: int, length: int, steps: int, budget: int | None,
-                 compile: bool = False, settings: dict | None = None):
+                 compile: bool = False, settings: dict | None = None, lead: int = 0):
         self.model, self.batch, self.steps, self.compile = model, batch, steps, compile
         self.held = length if budget is None or method == "full" else budget
         settings = {**({"window": 16} if method == "lazy" else {}), **(settings or {})}
@@ -83,9 +89,11 @@ class _Timed:
             settings["protect_prompt"] = False
         self.policy = make_policy(method, budget=None if method == "full" or not budgeted else self.held, **settings)
         self.interval = self.policy.interval if self.policy.scorer else 1
-        self.filled = self.held  # prompt tokens prefilled
+        grows = self.interval > 1 or self.policy.scorer is None  # appends without evicting between compressions
+        self.filled = self.held - (lead if grows else 0)  # prompt tokens prefilled
         self.partitions = not budgeted  # LagKV: frozen partitions + a tail, compressed every L tokens
         if self.partitions:  # a prompt its own compression leaves in steady state at ``length`` live tokens
+            # (warmed up on it, then refilled: ``time_method`` resets it before the timed steps)
             self.filled, self.interval = lag_steady_state(self.policy.scorer, length), self.policy.scorer.lag
         self.token = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.reset()
@@ -124,10 +132,20 @@ class _Timed:
         return best
 
 
+class StepTimes(NamedTuple):
+    """Seconds per decode step of a method and of ``full`` (paired), and of one compression of the
+    method (charged 1/interval per step in ``ours``; 0.0 for an every-step method, whose eviction is
+    in its step, and for ``full``)."""
+
+    ours: float
+    full: float
+    compression: float
+
+
 @torch.inference_mode()
 def time_method(model, method: str, batch: int, length: int, steps: int,
-                budget: int | None = None, compile: bool = False, settings: dict | None = None) -> tuple[float, float]:
-    """(seconds per decode step of ``method``, seconds per step of ``full``), measured in pairs.
+                budget: int | None = None, compile: bool = False, settings: dict | None = None) -> StepTimes:
+    """Seconds per decode step of ``method`` and of ``full``, measured in pairs (``StepTimes``).
 
     The two run step for step, alternating which goes first, each on its own cache, and each
     figure is the median over the steps, so drift on a shared machine hits both alike.
@@ -143,16 +161,18 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
     partitions, one compression per L steps; with ``budget`` set they are not timed (nan, nan).
     """
     if budget is not None and method != "full" and not SCORERS[method.split(":")[-1]].needs.uses_budget:
-        return float("nan"), float("nan")
-    full = _Timed(model, "full", batch, length, steps, None, compile)
-    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget, compile, settings)
+        return StepTimes(float("nan"), float("nan"), float("nan"))
+    warmup = 3 if compile else 2  # untimed steps (compiling, with --compile)
+    full = _Timed(model, "full", batch, length, steps, None, compile, lead=warmup)
+    ours = None if method == "full" else _Timed(model, method, batch, length, steps, budget, compile, settings,
+                                                lead=warmup)
     runners = [r for r in (full, ours) if r is not None]
-    for _ in range(3 if compile else 2):  # warm-up (compiling, with --compile)
+    for _ in range(warmup):
         for r in runners:
             r.step()
     n = steps if ours is None or ours.interval == 1 else min(steps, ours.interval)
     for r in runners:
-        if r.interval > 1 or r.policy.scorer is None:  # time the forward steps at the held length
+        if r.partitions:  # back to LagKV's steady state for the timed steps
             r.reset()
     times = {id(r): [] for r in runners}
     for i in range(n):
@@ -160,11 +180,10 @@ def time_method(model, method: str, batch: int, length: int, steps: int,
             times[id(r)].append(r.step())
     full_s = statistics.median(times[id(full)])
     if ours is None:
-        return full_s, full_s
+        return StepTimes(full_s, full_s, 0.0)
     ours_s = statistics.median(times[id(ours)])
-    if ours.interval > 1:
-        ours_s += ours.compression() / ours.interval
-    return ours_s, full_s
+    compression = ours.compression() if ours.interval > 1 else 0.0
+    return StepTimes(ours_s + compression / ours.interval, full_s, compression)
 
 
 def lag_steady_state(scorer, length: int) -> int:
@@ -247,17 +266,19 @@ def measure(model, args: OverheadSettings) -> list[dict]:
                     continue
                 pairs = [time_method(model, method, batch, length, args.steps, args.budget, args.compile,
                                      calibrated if needs_stats else None) for _ in range(args.rounds)]
-                if math.isnan(pairs[0][0]):
+                if math.isnan(pairs[0].ours):
                     print(f"  {method:14s} not timed: no token budget to hold the length at", flush=True)
                     continue
-                ours, full = sorted(pairs, key=lambda p: p[0] / p[1])[(len(pairs) - 1) // 2]  # median ratio
+                ours, full, compression = sorted(pairs, key=lambda p: p.ours / p.full)[(len(pairs) - 1) // 2]  # median ratio
                 overhead = ours / full - 1
                 rows.append({"batch": batch, "length": length, "budget": args.budget, "method": method,
                              "ms_per_step": ours * 1e3, "full_ms_per_step": full * 1e3,
-                             "overhead_vs_full": overhead, "speedup_vs_full": full / ours})
+                             "overhead_vs_full": overhead, "speedup_vs_full": full / ours,
+                             "compression_ms": compression * 1e3})
                 versus = (f"overhead {overhead * 100:+6.1f}%" if args.budget is None
                           else f"{full / ours:5.2f}x full's tokens/s (holding {args.budget} of {length} tokens)")
-                print(f"  {method:14s} {ours * 1e3:8.1f} ms/step vs full {full * 1e3:8.1f} (paired)  {versus}",
+                once = f"; one compression {compression * 1e3:.0f} ms" if compression else ""
+                print(f"  {method:14s} {ours * 1e3:8.1f} ms/step vs full {full * 1e3:8.1f} (paired)  {versus}{once}",
                       flush=True)
     return rows
 
