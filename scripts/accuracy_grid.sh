@@ -42,7 +42,9 @@ TRI_STATS=${TRI_STATS:-$ROOT/results/triattention/qwen2.5-coder-1.5b-stats.pt}
 BATCH=${BATCH:-50}
 THREADS=${THREADS:-2}
 
-METHODS=full,lazy,ams:tova,skipkv,caote:tova,lagkv,tova,h2o,rkv,expected,random
+# rkv first after full: stage 4's TriAttention is reported beside it (its paper's baseline); the order of
+# --methods is the order cells run in, and changes nothing else (run.json's settings are a mapping)
+METHODS=full,rkv,lazy,ams:tova,skipkv,caote:tova,lagkv,tova,h2o,expected,random
 PROTECTED=lazy+protect,ams:tova+protect,skipkv+protect,caote:tova+protect,rkv+competes
 # --set flags per group of methods: eval refuses a setting for a method not in its --methods, so
 # each stage passes the settings of its own methods only
