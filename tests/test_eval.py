@@ -581,19 +581,28 @@ def test_report_joins_cells_of_another_directory_run_with_the_same_settings(tmp_
     its cells pair with full's rows of the first directory, and the header names both commits."""
     settings = {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80}
     main, extra, other = tmp_path / "main", tmp_path / "extra", tmp_path / "other"
-    rows = synthetic_rows()
-    for path, cells, commit in ((main, [r for r in rows if r["method"] == "full"], "a" * 40),
-                                (extra, [r for r in rows if r["method"] == "tova"], "b" * 40)):
+    rows = [dict(r, text=f"answer {r['id']}") for r in synthetic_rows()]
+    full = [r for r in rows if r["method"] == "full"]
+    # every eval directory has its own full: the joined one's (on 6 of the samples) decodes alike
+    for path, cells, commit in ((main, full, "a" * 40),
+                                (extra, [r for r in rows if r["method"] == "tova"] + full[:6], "b" * 40)):
         path.mkdir()
         (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in cells))
         check_manifest(path, {**settings, "source_commit": commit})
     report = write_report(main, plots=False, join=[extra])
     # the same cells and pairings as one directory holding every row (test_summary_numbers)
     assert [s.label for s in report.summaries] == ["full", "tova@64", "tova@128"]
-    assert (report.summaries[1].lost, report.summaries[1].gained) == (2, 0)
+    assert report.summaries[0].n == 10 and (report.summaries[1].lost, report.summaries[1].gained) == (2, 0)
     md = (main / "report.md").read_text()
     assert f"(full): commit {'a' * 12}" in md and f"(tova): commit {'b' * 12}" in md
+    assert "has the first directory's text on all 6 samples" in md
     assert not (extra / "report.md").exists()
+
+    with open(extra / "results.jsonl", "a") as f:  # a full that decodes otherwise: no shared table
+        f.write(json.dumps(dict(full[7], text="something else")) + "\n")
+    with pytest.raises(ValueError, match="full's text in .* differs .* on samples 7"):
+        write_report(main, plots=False, join=[extra])
+    (extra / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["method"] == "tova"))
 
     other.mkdir()
     (other / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["method"] == "tova"))

@@ -368,6 +368,8 @@ def _header(rows: list[dict[str, Any]], manifest: dict[str, Any], sources: list[
     if len(sources) > 1:  # joined directories: say which rows came from which commit
         lines += ["", "Rows joined from:"] + [
             f"- `{s.path}` ({', '.join(s.methods)}): commit {s.manifest.get('source_commit', 'unknown')[:12]}"
+            + (f"; its own `full` (left out) has the first directory's text on all {s.full_reproduced} samples "
+               "both hold" if s.full_reproduced is not None else "")
             for s in sources]
     elif manifest.get("source_commit"):
         lines += ["", f"Source commit: {manifest['source_commit'][:12]}."]
@@ -380,16 +382,35 @@ JOIN_FIELDS = ("model", "dataset", "data_path", "max_new_tokens", "temperature",
 
 @dataclass
 class Source:
-    """One results directory of a (joined) report: its run.json and the methods of its rows."""
+    """One results directory of a (joined) report: its run.json, the methods of its rows, and for a
+    joined directory the samples whose ``full`` text equals the first directory's (its own
+    ``full`` rows, which every ``kvsieve eval`` writes as its reference, are then left out)."""
 
     path: Path
     manifest: dict[str, Any]
     methods: list[str]
+    full_reproduced: int | None = None
+
+
+def reproduced_full(reference: list[dict[str, Any]], found: list[dict[str, Any]], path: Path) -> int:
+    """How many samples of ``found``'s ``full`` rows have the text of ``reference``'s ``full`` rows;
+    an error naming the samples where the texts differ (the two runs' code decodes differently)."""
+    texts = {r["id"]: r.get("text") for r in reference if r["method"] == "full"}
+    mine = [r for r in found if r["method"] == "full" and r["id"] in texts]
+    differ = sorted(str(r["id"]) for r in mine if r.get("text") != texts[r["id"]])
+    if differ:
+        raise ValueError(f"full's text in {path} differs from the first directory's on samples "
+                         f"{', '.join(differ[:10])}{' ...' if len(differ) > 10 else ''}: the two runs do not decode "
+                         "alike, so their cells cannot share one table")
+    return len(mine)
 
 
 def joined_rows(directory: Path, join: list[Path]) -> tuple[list[dict[str, Any]], list[Source]]:
     """Rows of ``directory`` and of each ``join`` directory, which must have been run with the same
-    model, data and decoding (``JOIN_FIELDS`` of run.json) and hold no (method, budget) cell of another."""
+    model, data and decoding (``JOIN_FIELDS`` of run.json) and hold no (method, budget) cell of another.
+    ``full`` is the exception: each ``kvsieve eval`` directory has its own reference, so a joined
+    directory's ``full`` must reproduce the first directory's text on every sample both hold
+    (``reproduced_full``: the runs' code decodes alike) and its rows are left out."""
     sources, rows, owner = [], [], {}
     for path in [directory, *join]:
         found = load_results(path)
@@ -403,12 +424,16 @@ def joined_rows(directory: Path, join: list[Path]) -> tuple[list[dict[str, Any]]
                 k = differ[0]
                 raise ValueError(f"cannot join {path} to {first.path}: run.json's {k} differs ({manifest.get(k)!r} "
                                  f"vs {first.manifest.get(k)!r}); join only runs of the same settings")
+        reproduced = None
+        if sources and ("full", None) in owner:
+            reproduced = reproduced_full(rows, found, path)
+            found = [r for r in found if r["method"] != "full"]
         for cell in {(r["method"], r["budget"]) for r in found}:
             if cell in owner:
                 raise ValueError(f"cell {cell[0]}@{cell[1]} is in both {owner[cell]} and {path}; "
                                  "join directories that hold different cells")
             owner[cell] = path
-        sources.append(Source(path, manifest, sorted({r["method"] for r in found})))
+        sources.append(Source(path, manifest, sorted({r["method"] for r in found}), reproduced))
         rows += found
     return rows, sources
 
