@@ -6,6 +6,8 @@
 #   scripts/accuracy_grid.sh run [STAGE..]  resume the stages (default: 1 2), nice'd, in the foreground
 #   scripts/accuracy_grid.sh start [STAGE..] the same under nohup in the background (log: results/accuracy-grid/grid.log)
 #   scripts/accuracy_grid.sh status         rows per cell so far
+#   scripts/accuracy_grid.sh report [ARG..] report.md, summary.csv and plots of each stage (stage 4's cells
+#                                           joined to stage 1's); ARGs go to `kvsieve report` (--common, --no-plots)
 #
 # The code runs from a git worktree at the pinned commit ($GRID_TREE, made on first use), with this
 # checkout's venv; rows go to results/accuracy-grid/<stage>/ of this checkout, so a session commits
@@ -125,5 +127,15 @@ for stage in sorted(p for p in pathlib.Path(sys.argv[1]).iterdir() if p.is_dir()
     print(stage.name, ", ".join(f"{m}@{b}: {n}" for (m, b), n in rows.items()) or "no rows")
 PY
     ;;
-  *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status" >&2; exit 2 ;;
+  report)
+    shift || true
+    stage1=$GRID/stage1-gsm8k-b128 stage4=$GRID/stage4-gsm8k-b128-triattention
+    join=()
+    [[ -d $stage4 ]] && join=(--join "$stage4")
+    "$PYTHON" -m kvsieve.eval report "$stage1" "${join[@]}" "$@"
+    for dir in "$GRID"/stage2-* "$GRID"/stage3-*; do
+      if [[ -d $dir ]]; then "$PYTHON" -m kvsieve.eval report "$dir" "$@"; fi
+    done ;;
+  *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status | report [ARG..]" >&2
+     exit 2 ;;
 esac
