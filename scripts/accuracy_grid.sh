@@ -24,8 +24,9 @@
 #   4  TriAttention (issue 34) at stage 1's problems, budget and length, from its own pinned commit
 #      (PIN-triattention; the golden test shows nothing else changed since PIN), with the statistics
 #      of results/triattention/ (kvsieve calibrate triattention on GSM8K-train), and SnapKV, the
-#      other baseline of its paper (R-KV is in stage 1); its rows join stage 1's report
-#      (kvsieve report STAGE1 --join STAGE4)
+#      other baseline of its paper (R-KV is in stage 1), with its prompt kept as TriAttention's and
+#      rkv's are (snapkv's default lets it compete; at budget 128 that alone moves accuracy, see
+#      stage 1's +protect cells); its rows join stage 1's report (accuracy_grid.sh report)
 #
 # Settings that are not a method's default, each the setting of the comparison its paper makes:
 #   tova      prefill_block=true: CAOTE compares with its bases under block-wise prefill (Table 10)
@@ -65,7 +66,8 @@ stage_args() {  # stage -> its eval arguments
     3) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 64 --max-new-tokens 512
              --methods full,lazy,ams:tova,skipkv,caote:tova,lagkv,random $LAGKV_SET --out $GRID/stage3-gsm8k-b64" ;;
     4) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
-             --methods triattention,snapkv --set triattention.stats=$TRI_STATS --out $GRID/stage4-gsm8k-b128-triattention" ;;
+             --methods triattention,snapkv+protect --set triattention.stats=$TRI_STATS
+             --set snapkv+protect.protect_prompt=true --out $GRID/stage4-gsm8k-b128-triattention" ;;
     *) echo "unknown stage $1 (1, 2, 3 or 4)" >&2; return 1 ;;
   esac
 }
