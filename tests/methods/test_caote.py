@@ -352,8 +352,8 @@ def test_wrapper_errors_name_the_fix():
 
 
 @pytest.fixture(scope="module")
-def full_run(smollm):
-    return generate(*smollm, [SHORT, LONG], None, GenerateConfig(max_new_tokens=16))
+def full_run(full_greedy):
+    return full_greedy([SHORT, LONG], 16)
 
 
 @pytest.mark.parametrize("method", ["caote:tova", "caote:h2o", "fastcaote:snapkv"])

@@ -357,7 +357,8 @@ class Report:
     manifest: dict[str, Any]
 
 
-def _header(rows: list[dict[str, Any]], manifest: dict[str, Any], sources: list["Source"]) -> str:
+def _header(rows: list[dict[str, Any]], sources: list["Source"]) -> str:
+    manifest = sources[0].manifest
     ids = {r["id"] for r in rows}
     model = manifest.get("model") or rows[0].get("model")
     dataset = manifest.get("dataset") or rows[0].get("dataset")
@@ -464,7 +465,7 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
     summaries = summarize(rows)
     files = [directory / "summary.csv", directory / "report.md"]
     write_csv(summaries, files[0])
-    body = [_header(rows, manifest, sources), markdown_table(summaries), ""]
+    body = [_header(rows, sources), markdown_table(summaries), ""]
     wide = side_by_side_table(summaries)
     if wide is not None:
         body += ["## Side by side", "", "A row per method, sorted by accuracy at the largest budget, then the next.",
