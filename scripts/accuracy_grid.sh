@@ -97,6 +97,10 @@ run_stage() {
   local args
   args=$(stage_args "$1")
   tree "$1"
+  if [[ $1 == 4 && ! -f $TRI_STATS ]]; then  # statistics are built here, not tracked (the grid's had sha256 417c167c...)
+    PYTHONPATH=$(tree_of 4)/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.cli calibrate triattention \
+      --model qwen2.5-coder-1.5b --data ../shared/data/gsm8k_train.jsonl --out "$TRI_STATS"
+  fi
   echo "$(date -u +%FT%TZ) stage $1: start"
   # shellcheck disable=SC2086  # stage_args is a word list
   PYTHONPATH=$(tree_of "$1")/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.eval eval \
