@@ -1,7 +1,24 @@
 """Shared fixtures: the bundled SmolLM2-135M, loaded once per test session."""
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: one torch thread each, or their OpenMP pools
+    # spin against each other and the suite runs slower than one process (measured: 4 threads on
+    # 2 cores was past 10 minutes at a third of the suite)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_worker():
+    """A test that sets its own thread count (a benchmark's ``--threads``) hands the worker back
+    its one thread, so the tests after it do not oversubscribe the cores."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
