@@ -27,7 +27,7 @@ demo: setup
 # --durations: the ten slowest tests, since the suite must stay under 10 min on 2 cores.
 # TEST_WORKERS pytest-xdist processes, one torch thread each (tests/conftest.py): the bundled
 # model's tests are bound by Python's per-step overhead, not by matmuls, so two processes on two
-# cores take about 0.6 of one process's time (measured 2026-11-26: 389 s against 615 s).
+# cores take about 0.6 of one process's time (fresh clone, 2026-11-26: 348 s; one process, 548 s).
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/kvsieve models install $(DEFAULT_MODEL)
