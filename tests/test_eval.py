@@ -450,6 +450,25 @@ def test_summary_numbers():
     assert full.lost is None and "-2/+0 (0.5)" in markdown_table([full, t64])
 
 
+def test_tokens_per_s_is_the_cells_tokens_over_its_batches_decode_time():
+    """Two batches run one after the other, rows written as they end: batch A (prefill 10 s from
+    t=100) decodes until its last row ends at 40 s, batch B (prefill 5 s from t=151) until 15 s,
+    so the machine made 85 tokens in 55 s of decoding, whatever each row's share of the clock."""
+    from kvsieve.eval.report import batch_tokens_per_s
+
+    def row(start, prefill, decode, tokens, delay):  # written `delay` s after it ended
+        return {"time": start + prefill + decode + delay, "prefill_s": prefill, "decode_s": decode,
+                "generated_tokens": tokens, "tokens_per_s": tokens / decode}
+
+    batch_a = [row(100, 10, 20, 10, 0.2), row(100, 10, 40, 30, 0.1)]
+    batch_b = [row(151, 5, 10, 20, 0.3), row(151, 5, 15, 25, 0.05)]
+    rows = [batch_b[1], batch_a[1], batch_b[0], batch_a[0]]
+    assert batch_tokens_per_s(rows) == pytest.approx(85 / 55)
+    assert batch_tokens_per_s(batch_a) == pytest.approx(40 / 40)
+    # without the clocks (perplexity chunks): the mean of the rows' own rates
+    assert batch_tokens_per_s([{"tokens_per_s": 2.0}, {"tokens_per_s": 4.0}]) == 3.0
+
+
 def test_cells_pair_with_random_at_their_budget_and_say_the_prompts_fate():
     """vs random counts, per shared id, random right and the cell wrong (lost) and the reverse."""
     from kvsieve.eval.report import table_rows

@@ -20,7 +20,8 @@ Definitions (every number is computed from the rows alone):
   ``full`` is 1x (the peak, usually right after prefill, shows in the memory column instead);
 * peak KV: allocated cache bytes at the peak (K, V and per-token metadata; a batch's bytes are
   shared equally by its rows), mean over samples;
-* tokens/s: generated tokens over decode time per sample (rows of a batch share the clock).
+* tokens/s: the cell's generated tokens over its batches' decode time (each batch until its
+  last row ends; ``batch_tokens_per_s``): what the machine produced, not one row's share.
 * peak live/head: the most live KV tokens any layer held at once, per kv head (the row's
   ``peak_kv_tokens`` is summed over kv heads), mean over samples; it includes the prefill
   transient: a prompt longer than the budget is held whole until its first compression;
@@ -111,6 +112,31 @@ class CellSummary:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def batch_tokens_per_s(group: list[dict[str, Any]]) -> float:
+    """Generated tokens per second of decoding, over the cell's batches.
+
+    A row's own ``tokens_per_s`` divides its tokens by the decode time until it ended, on the
+    clock its batch shares: at batch 50 that is about a fiftieth of what the machine produced.
+    Rows carry no batch number, so batches are found from their clocks: a row began at ``time -
+    decode_s - prefill_s`` (``time`` is when it was written, after it ended), and batches run one
+    after another, so a row that began after every row so far had been written opens the next
+    batch.  A batch decodes until its last row ends (its largest ``decode_s``).  Batches that
+    overlap (writers in parallel) count as one, over the time they shared.  Rows without these
+    clocks (perplexity chunks) give the mean of their own rates.
+    """
+    if any(r.get(k) is None for r in group for k in ("time", "prefill_s", "decode_s")):
+        return _mean([r.get("tokens_per_s", 0.0) for r in group])
+    seconds, batch_decode, batch_written = 0.0, 0.0, -math.inf
+    for r in sorted(group, key=lambda r: r["time"] - r["decode_s"] - r["prefill_s"]):
+        if r["time"] - r["decode_s"] - r["prefill_s"] >= batch_written:  # began after the batch so far ended
+            seconds += batch_decode
+            batch_decode = 0.0
+        batch_decode = max(batch_decode, r["decode_s"])
+        batch_written = max(batch_written, r["time"])
+    seconds += batch_decode
+    return sum(r.get("generated_tokens", 0) for r in group) / seconds if seconds else 0.0
 
 
 def _compression(row: dict[str, Any]) -> float | None:
@@ -211,7 +237,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             method=key[0], budget=key[1], n=len(group), correct=correct if graded else None, accuracy=accuracy,
             ci_low=low, ci_high=high, retained=retained, mean_generated_tokens=_mean(gen),
             max_generated_tokens=max(gen), kv_compression=_mean(ratios) if ratios else None,
-            peak_kv_mib=_mean(mib), max_peak_kv_mib=max(mib), tokens_per_s=_mean([r.get("tokens_per_s", 0.0) for r in group]),
+            peak_kv_mib=_mean(mib), max_peak_kv_mib=max(mib), tokens_per_s=batch_tokens_per_s(group),
             perplexity=ppl, peak_live_tokens_per_head=_mean(peaks) if peaks else None,
             compression_events=_mean(events) if events else None,
             compressed_share=sum(e > 0 for e in events) / len(events) if events else None,
