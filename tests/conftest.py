@@ -7,8 +7,8 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on two cores: one torch thread each, or their OpenMP pools
-    # spin against each other and the suite runs slower than one process (measured: 4 threads on
-    # 2 cores was past 10 minutes at a third of the suite)
+    # spin against each other and the suite runs slower than one process (measured beside the
+    # accuracy grid: 4 threads on 2 cores had run a third of the suite after 7 minutes)
     torch.set_num_threads(1)
 
 

@@ -123,8 +123,9 @@ def batch_tokens_per_s(group: list[dict[str, Any]]) -> float:
     decode_s - prefill_s`` (``time`` is when it was written, after it ended), and batches run one
     after another, so a row that began after every row so far had been written opens the next
     batch.  A batch decodes until its last row ends (its largest ``decode_s``).  Batches that
-    overlap (writers in parallel) count as one, over the time they shared.  Rows without these
-    clocks (perplexity chunks) give the mean of their own rates.
+    overlap (writers in parallel) merge into one, timed by its longest decode: the machine's rate,
+    overstated when they started apart.  Rows without these clocks (perplexity chunks) give the
+    mean of their own rates.
     """
     if any(r.get(k) is None for r in group for k in ("time", "prefill_s", "decode_s")):
         return _mean([r.get("tokens_per_s", 0.0) for r in group])
