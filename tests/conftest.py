@@ -5,20 +5,19 @@ import os
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs two workers on two cores: one torch thread each, or their OpenMP pools
-    # spin against each other and the suite runs slower than one process (measured beside the
-    # accuracy grid: 4 threads on 2 cores had run a third of the suite after 7 minutes)
-    torch.set_num_threads(1)
+WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 @pytest.fixture(autouse=True)
 def _one_thread_per_worker():
-    """A test that sets its own thread count (a benchmark's ``--threads``) hands the worker back
-    its one thread, so the tests after it do not oversubscribe the cores."""
-    yield
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    """`make test` runs two workers on two cores: one torch thread each, set before every test so
+    that a test which sets its own count (a benchmark's ``--threads``) does not oversubscribe the
+    cores for the tests after it.  Without it the workers' OpenMP pools spin against each other
+    and the suite runs slower than one process (measured beside the accuracy grid: 4 threads on 2
+    cores had run a third of the suite after 7 minutes)."""
+    if WORKER:
         torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -129,9 +129,12 @@ def batch_tokens_per_s(group: list[dict[str, Any]]) -> float:
     """
     if any(r.get(k) is None for r in group for k in ("time", "prefill_s", "decode_s")):
         return _mean([r.get("tokens_per_s", 0.0) for r in group])
+    def began(r: dict[str, Any]) -> float:
+        return r["time"] - r["decode_s"] - r["prefill_s"]
+
     seconds, batch_decode, batch_written = 0.0, 0.0, -math.inf
-    for r in sorted(group, key=lambda r: r["time"] - r["decode_s"] - r["prefill_s"]):
-        if r["time"] - r["decode_s"] - r["prefill_s"] >= batch_written:  # began after the batch so far ended
+    for r in sorted(group, key=began):
+        if began(r) >= batch_written:  # began after the batch so far ended
             seconds += batch_decode
             batch_decode = 0.0
         batch_decode = max(batch_decode, r["decode_s"])
