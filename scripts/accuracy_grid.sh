@@ -2,12 +2,13 @@
 # Issue 35's accuracy grid: Qwen2.5-Coder-1.5B (bundled, fp32, greedy), every cell from one pinned commit.
 #
 #   scripts/accuracy_grid.sh pin COMMIT     record the commit the grid runs (results/accuracy-grid/PIN)
-#   scripts/accuracy_grid.sh pin-tri COMMIT record the commit stage 4 (TriAttention, issue 34) runs (PIN-triattention)
+#   scripts/accuracy_grid.sh pin-tri COMMIT record the commit stages 4 and 5 (TriAttention, issue 34) run (PIN-triattention)
 #   scripts/accuracy_grid.sh run [STAGE..]  resume the stages (default: 1 2), nice'd, in the foreground
 #   scripts/accuracy_grid.sh start [STAGE..] the same under nohup in the background (log: results/accuracy-grid/grid.log)
 #   scripts/accuracy_grid.sh status         rows per cell so far
 #   scripts/accuracy_grid.sh report [ARG..] report.md, summary.csv and plots of each stage (stage 4's cells
-#                                           joined to stage 1's); ARGs go to `kvsieve report` (--common, --no-plots)
+#                                           joined to stage 1's, stage 5's to stage 2's); ARGs go to
+#                                           `kvsieve report` (--common, --no-plots)
 #
 # The code runs from a git worktree at the pinned commit ($GRID_TREE, made on first use), with this
 # checkout's venv; rows go to results/accuracy-grid/<stage>/ of this checkout, so a session commits
@@ -27,6 +28,9 @@
 #      other baseline of its paper (R-KV is in stage 1), with its prompt kept as TriAttention's and
 #      rkv's are (snapkv's default lets it compete; at budget 128 that alone moves accuracy, see
 #      stage 1's +protect cells); its rows join stage 1's report (accuracy_grid.sh report)
+#   5  TriAttention at stage 2's problems, budget and length, from stage 4's pin, with the same statistics
+#      (calibrated on GSM8K-train: its transfer to MATH-500 is part of what this cell shows); its rows join
+#      stage 2's report. Run after stage 2: scripts/accuracy_grid.sh start 1 2 5
 #
 # Settings that are not a method's default, each the setting of the comparison its paper makes:
 #   tova      prefill_block=true: CAOTE compares with its bases under block-wise prefill (Table 10)
@@ -68,16 +72,19 @@ stage_args() {  # stage -> its eval arguments
     4) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
              --methods triattention,snapkv+protect --set triattention.stats=$TRI_STATS
              --set snapkv+protect.protect_prompt=true --out $GRID/stage4-gsm8k-b128-triattention" ;;
-    *) echo "unknown stage $1 (1, 2, 3 or 4)" >&2; return 1 ;;
+    5) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
+             --max-new-tokens 768 --methods triattention --set triattention.stats=$TRI_STATS
+             --out $GRID/stage5-math500-b256-triattention" ;;
+    *) echo "unknown stage $1 (1, 2, 3, 4 or 5)" >&2; return 1 ;;
   esac
 }
 
 pin_of() {  # stage -> the file holding its pinned commit
-  if [[ $1 == 4 ]]; then echo "$GRID/PIN-triattention"; else echo "$GRID/PIN"; fi
+  if [[ $1 == [45] ]]; then echo "$GRID/PIN-triattention"; else echo "$GRID/PIN"; fi
 }
 
 tree_of() {  # stage -> the worktree it runs from
-  if [[ $1 == 4 ]]; then echo "$GRID_TREE-triattention"; else echo "$GRID_TREE"; fi
+  if [[ $1 == [45] ]]; then echo "$GRID_TREE-triattention"; else echo "$GRID_TREE"; fi
 }
 
 tree() {  # stage -> its pinned worktree, made on first use
@@ -97,7 +104,7 @@ run_stage() {
   local args
   args=$(stage_args "$1")
   tree "$1"
-  if [[ $1 == 4 && ! -f $TRI_STATS ]]; then  # statistics are built here, not tracked (the grid's had sha256 417c167c...)
+  if [[ $1 == [45] && ! -f $TRI_STATS ]]; then  # statistics are built here, not tracked (the grid's had sha256 417c167c...)
     PYTHONPATH=$(tree_of 4)/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.cli calibrate triattention \
       --model qwen2.5-coder-1.5b --data ../shared/data/gsm8k_train.jsonl --out "$TRI_STATS"
   fi
@@ -106,6 +113,14 @@ run_stage() {
   PYTHONPATH=$(tree_of "$1")/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.eval eval \
     --model qwen2.5-coder-1.5b $args --batch-size "$BATCH" --pin-commit --no-progress
   echo "$(date -u +%FT%TZ) stage $1: done"
+}
+
+report_stage() {  # stage dir, the dir whose cells join it (or ""), report args
+  local dir=$1 joined=$2 join=()
+  shift 2
+  [[ -d $dir ]] || return 0
+  [[ -n $joined && -d $joined ]] && join=(--join "$joined")
+  "$PYTHON" -m kvsieve.eval report "$dir" "${join[@]}" "$@"
 }
 
 case ${1:-run} in
@@ -135,13 +150,9 @@ PY
     ;;
   report)
     shift || true
-    stage1=$GRID/stage1-gsm8k-b128 stage4=$GRID/stage4-gsm8k-b128-triattention
-    join=()
-    [[ -d $stage4 ]] && join=(--join "$stage4")
-    "$PYTHON" -m kvsieve.eval report "$stage1" "${join[@]}" "$@"
-    for dir in "$GRID"/stage2-* "$GRID"/stage3-*; do
-      if [[ -d $dir ]]; then "$PYTHON" -m kvsieve.eval report "$dir" "$@"; fi
-    done ;;
+    report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention" "$@"
+    report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention" "$@"
+    report_stage "$GRID/stage3-gsm8k-b64" "" "$@" ;;
   *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status | report [ARG..]" >&2
      exit 2 ;;
 esac
