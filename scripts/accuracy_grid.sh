@@ -5,7 +5,7 @@
 #   scripts/accuracy_grid.sh pin-tri COMMIT record the commit stages 4 and 5 (TriAttention, issue 34) run (PIN-triattention)
 #   scripts/accuracy_grid.sh run [STAGE..]  resume the stages (default: 1 2), nice'd, in the foreground
 #   scripts/accuracy_grid.sh start [STAGE..] the same under nohup in the background (log: results/accuracy-grid/grid.log)
-#   scripts/accuracy_grid.sh status         rows per cell so far
+#   scripts/accuracy_grid.sh status         whether it runs; per stage, cells and rows done and the cells to come
 #   scripts/accuracy_grid.sh report [ARG..] report.md, summary.csv and plots of each stage (stage 4's cells
 #                                           joined to stage 1's, stage 5's to stage 2's); ARGs go to
 #                                           `kvsieve report` (--common, --no-plots)
@@ -140,14 +140,24 @@ case ${1:-run} in
     nohup "$0" run "$@" >> $GRID/grid.log 2>&1 &
     echo "started (pid $!); follow it with: tail -f $GRID/grid.log" ;;
   status)
-    "$PYTHON" - "$GRID" <<'PY'
+    if pgrep -f "accuracy_grid.sh run" > /dev/null; then echo "running (log: $GRID/grid.log)"; else echo "not running"; fi
+    for s in 1 2 3 4 5; do
+      # shellcheck disable=SC2046  # stage_args is a word list
+      "$PYTHON" - "$s" $(stage_args "$s") <<'PY'
 import collections, pathlib, sys
 from kvsieve.eval.store import load_results
-for stage in sorted(p for p in pathlib.Path(sys.argv[1]).iterdir() if p.is_dir()):
-    rows = collections.Counter((r["method"], r["budget"]) for r in load_results(stage))
-    print(stage.name, ", ".join(f"{m}@{b}: {n}" for (m, b), n in rows.items()) or "no rows")
+stage, args = sys.argv[1], sys.argv[2:]
+arg = lambda flag: args[args.index(flag) + 1]
+out, limit = pathlib.Path(arg("--out")), int(arg("--limit"))
+methods = ["full"] + [m for m in arg("--methods").split(",") if m != "full"]  # eval adds full
+rows = collections.Counter(r["method"] for r in load_results(out)) if out.is_dir() else collections.Counter()
+done = sum(min(rows[m], limit) for m in methods)
+cells = sum(rows[m] >= limit for m in methods)
+todo = [m for m in methods if rows[m] < limit]
+print(f"stage {stage} ({out.name}): {cells}/{len(methods)} cells, {done}/{limit * len(methods)} rows"
+      + (f"; next: {', '.join(f'{m} ({rows[m]}/{limit})' for m in todo)}" if todo else "; complete"))
 PY
-    ;;
+    done ;;
   report)
     shift || true
     report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention" "$@"
