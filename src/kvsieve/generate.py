@@ -46,7 +46,12 @@ class GenerateConfig:
     tokens past their stop, which are discarded.  ``grow_chunk`` is how many slots an
     unbounded cache grows by at a time.  ``compile`` runs the decode step through
     ``torch.compile`` (see ``kvsieve.session``); its compile time is reported apart from
-    decode time (``RowStats.compile_s``).
+    decode time (``RowStats.compile_s``).  ``prefill_chunk`` is how many prompt tokens one
+    prefill forward pass reads; 512 is kvsieve's choice (no paper sets it; it has been the
+    default since the engine's first version, with no reason recorded): it bounds one pass's
+    activations and the attention rows an observing scorer reads ([B, H_kv, G, T, cap], T <= 512),
+    and a prompt of up to 512 tokens is read in one pass.  Block-wise prefill eviction reads the
+    policy's blocks instead (``Policy.prefill_block``; CAOTE: 128).
     """
 
     max_new_tokens: int = 256

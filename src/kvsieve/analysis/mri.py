@@ -38,7 +38,13 @@ PERCENTILE = 80.0  # App. C: W = the 80% MRI threshold
 class MRIRecorder(Scorer):
     """Tracks TS/MRI by ``lazy``'s own ``observe`` (its defaults, with this ``alpha`` and
     ``head_reduction``) and never evicts.  Keeps the layers it observed so their final state can
-    be read after ``generate`` returns (the cache itself is not returned)."""
+    be read after ``generate`` returns (the cache itself is not returned).
+
+    ``alpha`` defaults to 1e-4, LazyEviction's Qwen value (App. C: DS-Qwen-7B, Qwen3-4B, QwQ-32B;
+    App. G.2 / Table 10 on DS-Qwen-7B), as ``lazy``'s default ``family="qwen2"``.  ``analyze()``
+    passes the alpha it is given or else the value of the model's own family (``resolve_alpha`` on
+    its ``model_type``: 5e-4 for Llama, SmolLM2 included), so the default holds only for a
+    recorder built directly."""
 
     # lazy's per-token state; no budget: nothing is ever compressed
     needs = Needs(meta=LazyEviction.needs.meta, observes=True, uses_budget=False)

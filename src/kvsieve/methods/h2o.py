@@ -50,6 +50,10 @@ class H2O(Scorer):
                   "'lazy-window': recent = LazyEviction's W, as its H2O baseline (LazyEviction App. C)")
     # the attention each token received, summed; per-token scores: the engine may evict in place
     needs = Needs(meta={"acc": 0.0}, observes=True, slot_order_free=True)
+    # interval 1: the greedy eviction policy (Sec. 3) evicts at every decoding step; sinks 0 and
+    # protect_prompt False: Sec. 5 splits the whole budget into heavy hitters and recent tokens, no share
+    # for sinks or the prompt; compress_prefill True: kvsieve's choice, a prompt longer than the budget is
+    # cut after prefill by the attention its own queries paid, so decoding starts within the budget
     defaults = Defaults(recent=half_budget,
                         recent_doc=f"budget // 2 ({DEFAULT_WINDOW} = lazy's W if recent_rule=lazy-window)")
     head_reduction: str = "sum"

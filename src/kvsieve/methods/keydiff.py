@@ -24,6 +24,11 @@ class KeyDiff(Scorer):
                   "Park et al. 2025 (arXiv:2504.15364), Sec. 3")
     # per-token scores (the engine may evict in place); key norms per token, the anchor's running sum
     needs = Needs(kv_fields=("key_norm",), kv_sums=("unit_key_sum",), slot_order_free=True)
+    # Schedule: the engine's ``Defaults()`` (sinks 0, recent 0, interval 1, compress_prefill True), kvsieve's
+    # choice, none cited from the paper: the cache is held at the budget from prefill on, step by step.
+    # protect_prompt False: AMS App. B.2 caps its KeyDiff baseline's per-layer cache at T_keep, prompt
+    # included (its Table 11 notes prompt-prefix protection for R-KV and RPC only); that comparison runs
+    # decode-only every 512 tokens (``interval=512, compress_prefill=False``, as ``ams:``).
 
     def score(self, layer, seen_tokens):
         # one pass over the keys, no normalised copy: cos(k, a) = (k . a_hat) / |k|, with the key

@@ -130,9 +130,14 @@ class LagKV(Scorer):
         Shared with the policy's ``sinks``: ``make_policy`` and ``--sinks`` set both.
     lag : int, default 128
         Partition (lag) size L (Sec. 3.1 grid {128, 512, 1024}; the kvpress port uses 128).
+        The paper names no default; 128 is kvsieve's choice among the grid's L, taken from the
+        kvpress port's ``lag_size`` (no other reason is recorded).  As the grid's smallest L it
+        starts compressing soonest: at S + 2L = 272 tokens (2,064 at L = 1024).
     ratio : float, default 0.25
         Kept share r of each partition, k = round(r * L) tokens (Sec. 3.1 grid 1/2, 1/4, 1/6,
-        1/8; Table 1).  r = 1 keeps everything and never compresses.
+        1/8; Table 1).  r = 1 keeps everything and never compresses.  The paper names no
+        default and the kvpress port has none (``compression_ratio`` 0): 1/4 (4x, Table 1's
+        "L=128,r=4x" row) is kvsieve's choice among the grid's r, with no reason recorded.
     reference : str, default "next"
         "next": statistics of the next partition (Eqs. 5-6); "self": of the partition itself
         (LocalKV, Eqs. 12-13).
@@ -327,7 +332,10 @@ class LagKV(Scorer):
 @register("localkv")
 @dataclass
 class LocalKV(LagKV):
-    """LagKV with each partition normalised by its own min/max (App. A.2, Eqs. 12-13)."""
+    """LagKV with each partition normalised by its own min/max (App. A.2, Eqs. 12-13).
+
+    A.2 runs at S = 16, L = 1024; the default stays ``lagkv``'s L = 128 (inherited, kvsieve's
+    choice: the three variants share one L).  A.2's setting: ``lag=1024``."""
 
     about = About("LagKV variant: min/max of the partition itself (attention-free)",
                   "arXiv:2504.04704 App. A.2, Eqs. 12-13 (A.2 runs use S=16, L=1024); --budget: lagkv's fit")
@@ -337,7 +345,10 @@ class LocalKV(LagKV):
 @register("lagkv-l2")
 @dataclass
 class LagKVL2(LagKV):
-    """LagKV's partitions scored by -||K|| (App. A.2, Eq. 14); the first two layers are kept whole."""
+    """LagKV's partitions scored by -||K|| (App. A.2, Eq. 14); the first two layers are kept whole.
+
+    A.2 runs at S = 16, L = 1024; the default stays ``lagkv``'s L = 128 (inherited, kvsieve's
+    choice: the three variants share one L).  A.2's setting: ``lag=1024``."""
 
     about = About("LagKV variant: per-partition top keys by smallest L2 norm; layers 0-1 uncompressed",
                   "arXiv:2504.04704 App. A.2, Eq. 14 (after Devoto et al. 2024: first two layers skipped); "

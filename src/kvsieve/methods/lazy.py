@@ -13,7 +13,8 @@ On the engine: ``interval = W, recent = W, budget = B``, the defaults derived fr
 (Alg. 1 line 8's ``B >= |K|`` is a typo for ``|K| > B``, the engine's ``should_compress``).
 The interval is W at every budget: below B = 2W, where kvsieve's cap of a default interval at
 ``budget // 2`` would part it from W, the policy is refused (``LazyEviction.window_interval``).
-The prompt is not compressed at prefill (``compress_prefill`` defaults to False); its tokens
+The prompt is not compressed at prefill (``compress_prefill`` defaults to False): Alg. 1 line 8
+evicts only "at the decoding step t = kW" (k in N+, App. B), none at the prefill.  Its tokens
 are scored like generated ones (App. H.2).  Their queries are not tracking steps
 (``observe_prompt=False``): Alg. 1's step t is a decoding step.  So the prompt enters the cache
 in one step, the prefill (decoding step 0), and every prompt token is born there with MRI 0
@@ -133,6 +134,10 @@ class LazyEviction(Scorer):
         Model family for alpha: "llama" 5e-4 (DS-Llama-8B), "qwen2"/"qwen3" 1e-4 (DS-Qwen-7B,
         Qwen3-4B, QwQ-32B), App. C.  For other models of a family (SmolLM2 is "llama",
         Qwen2.5-Coder "qwen2") and for "mistral" (5e-4) the value is an extrapolation.
+        "qwen2" is kvsieve's choice: three of App. C's four models (DS-Qwen-7B, Qwen3-4B, QwQ-32B)
+        are Qwen-family at 1e-4 (App. G.2 / Table 10 tunes it on DS-Qwen-7B).  It is not read
+        from the model: Llama-family models, the bundled default SmolLM2 included, should pass
+        ``family="llama"`` (alpha 5e-4).
     head_reduction : str, default "mean"
         Reduction of a GQA group's attention onto its kv head ("mean", "max", "sum"); not
         fixed by the paper.  alpha assumes one softmax row's scale, which "mean" keeps.
@@ -182,7 +187,8 @@ class LazyEviction(Scorer):
                   "interval = W, budget >= 2W")
     # new tokens: born now (TS = own position), MRI 0 (Sec. 4); per-token scores: evicted in place
     needs = Needs(meta={"ts": TS_UNSET, "mri": 0.0}, observes=True, slot_order_free=True)
-    # compress_prefill False: App. H.2, the prompt is scored, never cut at prefill; protect_prompt False:
+    # compress_prefill False: Alg. 1 line 8 / App. B, eviction only "at the decoding step t = kW", k in N+,
+    # never at the prefill (the prompt is scored like generated tokens, App. H.2); protect_prompt False:
     # App. H.2-H.3 "we treat Prefill and Decode tokens equally": prompt tokens compete.  Interval and recent
     # window: W (``window_interval``, ``window_recent``), set per instance in __post_init__
     defaults = Defaults(interval=DEFAULT_WINDOW, compress_prefill=False, protect_prompt=False,

@@ -42,6 +42,9 @@ class RaaS(Scorer):
         separate value for its RaaS runs).
     family : str, default "qwen2"
         Model family for alpha: "llama"/"mistral" 5e-4, "qwen2"/"qwen3" 1e-4 (see ``lazy``).
+        "qwen2" is kvsieve's choice, as ``lazy``'s: three of LazyEviction App. C's four models
+        are Qwen-family at 1e-4.  It is not read from the model: Llama-family models, the
+        bundled default SmolLM2 included, should pass ``family="llama"`` (alpha 5e-4).
     head_reduction : str, default "mean"
         Reduction of a GQA group's attention onto its kv head, as in ``lazy``.
     """
@@ -51,6 +54,9 @@ class RaaS(Scorer):
                   "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
     # new tokens: born now, not prompt; per-token scores: the engine may evict in place
     needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, slot_order_free=True)
+    # protect_prompt False (inherited): RaaS keeps the prompt by its own rule, inside the budget (App. H.2:
+    # it "mandatorily retain[s] all Prefill tokens"; H.3: "the KV cache budget becomes saturated by the
+    # prefill tokens"), so the prompt is not put outside it
 
     alpha: float | None = None
     family: str = "qwen2"

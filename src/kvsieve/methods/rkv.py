@@ -34,7 +34,12 @@ class RKV(Scorer):
     mix_lambda : float, default 0.1
         Weight of importance (paper Sec. 4: lambda = 0.1; the official code uses 0.07).
     head_reduction : str, default "mean"
-        GQA reduction of the importance onto kv heads.
+        GQA reduction of the importance onto kv heads: the group mean of the softmax
+        probabilities, kvsieve's choice (the paper is silent on GQA).  It keeps the importance on
+        one head's softmax scale beside the softmax-normalised redundancy, so lambda weighs the
+        two as for one head ("sum" would scale the importance by G).  The official code instead
+        reduces the group's logits before the softmax (``rkv/utils.py``
+        ``compute_attention_scores``, ``pooling="max"`` by default).
     partner_threshold : float or None, default 0.5
         Cosine above which a key's last (latest) partner is exempted from its redundancy sum
         (official code ``rkv/utils.py`` ``cal_similarity(threshold=0.5, retain_direction="last")``).

@@ -32,11 +32,17 @@ class SnapKV(Scorer):
     pooling : str, default "avg"
         "avg" or "max" (official code ``pooling='avgpool'``).
     head_reduction : str, default "mean"
-        GQA reduction onto kv heads (not in the paper, which uses MHA models).
+        GQA reduction onto kv heads, kvsieve's choice (not in the paper).  The official code
+        repeats the kv heads onto the query heads before voting (``repeat_kv``, "[SnapKV] move
+        to ahead") and keeps tokens per query head, which a cache of H_kv heads cannot hold; the
+        group mean is kvpress's SnapKVPress reading ("Average per group", SnapKV issue #22).
+        "mean" and "sum" rank tokens alike here: a kv head's votes differ by the factor G.
     """
 
     about = About("observation-window attention votes, pooled",
                   "Li et al. 2024 (arXiv:2404.14469) Sec. 4.2; defaults from the official code")
+    # protect_prompt False and compress_prefill True: Sec. 4.2 compresses the prompt itself, once, after
+    # prefill (the window's votes pick the prompt tokens kept)
     defaults = Defaults(recent_doc="window", interval_doc="window")
     window: int = 64
     kernel: int = 5
