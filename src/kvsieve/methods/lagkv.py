@@ -346,9 +346,7 @@ class LocalKV(LagKV):
 @dataclass
 class LagKVL2(LagKV):
     """LagKV's partitions scored by -||K|| (App. A.2, Eq. 14); the first two layers are kept whole.
-
-    A.2 runs at S = 16, L = 1024; the default stays ``lagkv``'s L = 128 (inherited, kvsieve's
-    choice: the three variants share one L).  A.2's setting: ``lag=1024``."""
+    Its L defaults to 128 as ``localkv``'s does (see there); A.2's runs: ``lag=1024``."""
 
     about = About("LagKV variant: per-partition top keys by smallest L2 norm; layers 0-1 uncompressed",
                   "arXiv:2504.04704 App. A.2, Eq. 14 (after Devoto et al. 2024: first two layers skipped); "
