@@ -82,12 +82,16 @@ stage_args() {  # stage -> its eval arguments
   esac
 }
 
+tri_pinned() {  # stage -> true for the stages that run TriAttention from its own pin (4 and 5)
+  [[ $1 == [45] ]]
+}
+
 pin_of() {  # stage -> the file holding its pinned commit
-  if [[ $1 == [45] ]]; then echo "$GRID/PIN-triattention"; else echo "$GRID/PIN"; fi
+  if tri_pinned "$1"; then echo "$GRID/PIN-triattention"; else echo "$GRID/PIN"; fi
 }
 
 tree_of() {  # stage -> the worktree it runs from
-  if [[ $1 == [45] ]]; then echo "$GRID_TREE-triattention"; else echo "$GRID_TREE"; fi
+  if tri_pinned "$1"; then echo "$GRID_TREE-triattention"; else echo "$GRID_TREE"; fi
 }
 
 tree() {  # stage -> its pinned worktree, made on first use
@@ -107,8 +111,8 @@ run_stage() {
   local args
   args=$(stage_args "$1")
   tree "$1"
-  if [[ $1 == [45] && ! -f $TRI_STATS ]]; then  # statistics are built here, not tracked (the grid's had sha256 417c167c...)
-    PYTHONPATH=$(tree_of 4)/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.cli calibrate triattention \
+  if tri_pinned "$1" && [[ ! -f $TRI_STATS ]]; then  # statistics are built here, not tracked (the grid's had sha256 417c167c...)
+    PYTHONPATH=$(tree_of "$1")/src OMP_NUM_THREADS=$THREADS nice -n 10 "$PYTHON" -m kvsieve.cli calibrate triattention \
       --model qwen2.5-coder-1.5b --data ../shared/data/gsm8k_train.jsonl --out "$TRI_STATS"
   fi
   echo "$(date -u +%FT%TZ) stage $1: start"
