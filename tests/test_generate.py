@@ -302,6 +302,33 @@ def test_memory_limit_refuses_a_batch_that_does_not_fit_and_plans_an_upper_bound
         tokens(smollm, [SHORT, LONG], policy, n=40, kv_memory_gb=planned * 0.75 / 1024**3)
 
 
+def test_a_cache_without_a_budget_is_never_grown_past_what_it_holds(smollm, monkeypatch):
+    """LagKV without a budget bounds its own cache (Eq. 10): its store is never grown past the
+    most tokens a head holds, or the prompt held whole before its first compression (growing
+    by a whole 256-slot chunk after each compaction held up to 256 slots more), and the memory
+    plan bounds the bytes it allocates below those of a cache that keeps everything."""
+    from kvsieve.cache import SieveLayer
+    from kvsieve.memory import planned_kv_bytes
+
+    model, tok = smollm
+    capacities = []
+    original = SieveLayer.reserve
+
+    def reserve(self, needed):
+        original(self, needed)
+        capacities.append(self.capacity)
+
+    monkeypatch.setattr(SieveLayer, "reserve", reserve)
+    policy, n = make_policy("lagkv", lag=8, ratio=0.25, sinks=4), 64
+    result = tokens(smollm, [SHORT, LONG], policy, n=n, ignore_eos=True)
+    prompt = max(s.prompt_tokens for s in result.stats)
+    held = max(max(s.peak_kv_tokens) for s in result.stats) // model.config.num_key_value_heads
+    assert held < prompt + n  # it compressed
+    assert capacities and max(capacities) <= max(prompt, held)
+    planned = planned_kv_bytes(model, policy, 2, prompt, n)
+    assert sum(s.peak_kv_bytes for s in result.stats) <= planned < planned_kv_bytes(model, make_policy("full"), 2, prompt, n)
+
+
 def test_random_weight_shapes_build_offline_and_say_speed_only(monkeypatch):
     from kvsieve import random_models
     from kvsieve.models import load_model

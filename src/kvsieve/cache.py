@@ -545,11 +545,14 @@ class SieveCache(Cache):
                    grow_chunk: int = 256, managed: bool = True) -> "SieveCache":
         """The one constructor of a decode cache: fields, sums and query window for the policy's
         scorer, and each layer's capacity hint: never allocate past what a row of ``horizon``
-        tokens can need, budget + interval for a bounded layer, the whole row otherwise."""
+        tokens can need, budget + interval for a bounded layer, the scorer's own peak for one
+        without a budget (``Policy.unbudgeted_peaks``: LagKV), the whole row otherwise."""
         budgets = policy.layer_budgets(num_layers)
         interval = policy.interval if policy.scorer is not None else 0
+        unbudgeted = policy.unbudgeted_peaks(num_layers, horizon)
         # a protected prompt is not known yet: its hint is set with it (DecodeSession.prefill)
-        hints = [horizon if b is None or policy.protect_prompt else min(horizon, b + interval) for b in budgets]
+        hints = [own if b is None else horizon if policy.protect_prompt else min(horizon, b + interval)
+                 for b, own in zip(budgets, unbudgeted)]
         return cls.for_scorer(num_layers, policy.scorer, grow_chunk, capacity_hints=hints, static=static,
                               managed=managed)
 

@@ -6,7 +6,9 @@ memory half way; benchmarks use ``max_batch_size`` for admission under a fixed l
 
 Per (row, kv head, layer) a cache never holds more slots than:
 
-* no eviction (or a method without a budget): longest prompt + ``max_new_tokens``;
+* no eviction (or a method without a budget): longest prompt + ``max_new_tokens``, or less
+  for a method that bounds its own cache (LagKV, ``Policy.unbudgeted_peaks``): its peak, or
+  the whole prompt held until its first compression when that is longer;
 * a budget ``b`` with compression every ``interval`` steps: the whole prompt right after
   prefill, and ``b + interval`` while decoding (``H_kv * b + interval`` for allocators whose
   heads share slots), plus the prompt when the policy protects it (``protect_prompt``).
@@ -39,10 +41,11 @@ def bytes_per_slot(model, policy: Policy) -> int:
 def slots_per_head(model, policy: Policy, prompt_len: int, max_new_tokens: int) -> list[int]:
     """Upper bound of each layer's capacity (slots per row and kv head)."""
     budgets = policy.layer_budgets(model.config.num_hidden_layers)
+    unbudgeted = policy.unbudgeted_peaks(len(budgets), prompt_len + max_new_tokens, prompt_len)
     out = []
-    for budget in budgets:
+    for budget, own in zip(budgets, unbudgeted):
         if budget is None:
-            out.append(prompt_len + max_new_tokens)
+            out.append(max(prompt_len, own))
             continue
         per_head = model.config.num_key_value_heads * budget if policy.allocator.ragged_heads else budget
         decode_peak = per_head + policy.interval

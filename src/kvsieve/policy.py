@@ -247,6 +247,14 @@ class Scorer:
         """Host-side decision (no device read) whether this layer compresses now."""
         return budget is not None and layer.max_len > budget
 
+    def peak_bound(self, horizon: int, feed: "Feed") -> int | None:
+        """With no budget: the most tokens a row of at most ``horizon`` tokens fed as ``feed``
+        says holds per kv head in a layer this scorer compresses, the whole prompt's wait for its
+        first check apart; None when only the horizon bounds it.  Scorers that keep a bounded
+        cache by their own settings (LagKV's partitions, Eq. 10) say so, and the cache never
+        allocates past it (``Policy.unbudgeted_peaks``)."""
+        return None
+
     def fit_budget(self, budget: int, horizon: int, feed: "Feed") -> "Scorer":
         """A copy whose own settings keep at most ``budget`` tokens per row over ``horizon`` tokens
         fed as ``feed`` says (only scorers with ``needs.fitted_fields``, e.g. LagKV)."""
@@ -472,6 +480,14 @@ class Policy:
             return [None] * num_layers
         budgets = self.allocator.layer_budgets(self.budget, num_layers, self.sinks + self.recent)
         return [b if i >= self.scorer.needs.whole_layers else None for i, b in enumerate(budgets)]
+
+    def unbudgeted_peaks(self, num_layers: int, horizon: int, prompt: int = 0) -> list[int]:
+        """Per layer, the most tokens a row of at most ``horizon`` tokens holds per kv head when
+        the layer has no budget, the prompt's wait for its first check apart: the scorer's own
+        bound (``Scorer.peak_bound``) on the layers it compresses, the horizon elsewhere."""
+        own = None if self.scorer is None else self.scorer.peak_bound(horizon, self.feed(prompt))
+        whole = 0 if self.scorer is None else self.scorer.needs.whole_layers
+        return [horizon if own is None or i < whole else min(horizon, own) for i in range(num_layers)]
 
     def layer_bound(self, cache: SieveCache, budget: int | None) -> int | None:
         """Host-side upper bound on the tokens a layer of budget ``budget`` keeps per (row, head):

@@ -209,6 +209,11 @@ class LagKV(Scorer):
         """k: tokens kept per compressed partition (at least one)."""
         return kept_tokens(self.lag, self.ratio)
 
+    def peak_bound(self, horizon: int, feed: Feed) -> int:
+        """Without a budget, the cache still peaks at Eq. (10)'s recursion on the engine's
+        schedule (``scheduled_peak``): the capacity it ever needs, so it is never grown past."""
+        return scheduled_peak(self.sinks, self.lag, self.kept, horizon, feed)
+
     def fit_budget(self, budget: int, horizon: int, feed: Feed = Feed()) -> "LagKV":
         """kvsieve's budget-to-(L, r) rule (module docstring, steps 1-4) for rows of at most
         ``horizon`` tokens fed as ``feed`` says: S stays, L and r are refitted, and ``fit_note``
