@@ -788,11 +788,11 @@ def test_default_interval_is_at_most_half_the_budget_so_a_budget_is_a_bound(name
 
 
 # ---------------------------------------------------------------------------- the scorer contract (issue 32)
-def test_a_scorer_declares_its_whole_contract_in_ten_names():
-    """Scorer's public surface: name, about, the two records and six hooks; nothing else is read."""
+def test_a_scorer_declares_its_whole_contract_in_eleven_names():
+    """Scorer's public surface: name, about, the two records and seven hooks; nothing else is read."""
     public = {n for n in vars(Scorer) if not n.startswith("_")} - {f.name for f in dataclasses.fields(Scorer)}
     assert public == {"name", "about", "needs", "defaults", "attach", "observe", "score", "select",
-                      "should_compress", "fit_budget"}
+                      "should_compress", "fit_budget", "peak_bound"}
 
 
 def test_a_wrapper_forwards_every_hook_of_the_contract_to_its_base():

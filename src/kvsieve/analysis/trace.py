@@ -222,6 +222,9 @@ class TracingScorer(Scorer):
         """The fitted inner scorer, still traced (LagKV at a budget)."""
         return TracingScorer.around(self.inner.fit_budget(budget, horizon, feed), self.recording)
 
+    def peak_bound(self, horizon, feed):
+        return self.inner.peak_bound(horizon, feed)
+
 
 class TraceRecorder:
     """Record one generation's evictions.

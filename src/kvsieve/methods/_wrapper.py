@@ -82,3 +82,6 @@ class WrappingScorer(Scorer):
 
     def fit_budget(self, budget, horizon, feed):
         return self.inner.fit_budget(budget, horizon, feed)
+
+    def peak_bound(self, horizon, feed):
+        return self.inner.peak_bound(horizon, feed)
