@@ -34,6 +34,9 @@ MODES = ("eager", "hf", "compiled")
 BUDGETS = (64, 96)
 WRAPPED_BASE = "tova"
 SELF_SIZED = ({"lag": 16, "ratio": 0.25}, {"lag": 32, "ratio": 0.5})  # LagKV and its variants: (L, r) settings
+# Defaults changed since the pin, run as they were when the tokens were recorded: lazy's and raas's
+# alpha now follows the model's family ("auto": 5e-4 on SmolLM2, a Llama model); the pin had "qwen2"
+RECORDED_DEFAULTS = {"lazy": {"family": "qwen2"}, "raas": {"family": "qwen2"}}
 DEFAULT_TIER = {("eager", "tova", 64), ("eager", "lazy", 64), ("eager", "caote:tova", 96), ("hf", "tova", 64),
                 ("eager", "tova+protect", 96)}
 
@@ -48,7 +51,8 @@ def run_case(case: dict, model, tok) -> list[list[int]]:
     """The case's new token ids per row."""
     from kvsieve import SieveCache, generate, make_policy
 
-    method, budget, settings = case["method"], case["budget"], case["settings"]
+    method, budget = case["method"], case["budget"]
+    settings = {**RECORDED_DEFAULTS.get(method, {}), **case["settings"]}
     if case["mode"] in ("eager", "compiled"):
         result = generate(model, tok, PROMPTS, make_policy(method, budget, **settings),
                           _config(compile=case["mode"] == "compiled"))

@@ -48,8 +48,11 @@ BUDGETED = [m for m in method_names()[1:] if SCORERS[m].needs.uses_budget]
 
 @functools.cache
 def calibrated(name: str) -> dict:
-    """Settings a method needs beyond a budget: TriAttention's statistics file, here random
-    statistics of this file's head shapes (its equations are checked in tests/methods)."""
+    """Settings a method needs beyond a budget without a model: TriAttention's statistics file,
+    here random statistics of this file's head shapes (its equations are checked in
+    tests/methods); LazyEviction's and RaaS's model family for alpha (a model sets it in a run)."""
+    if name in ("lazy", "raas"):
+        return {"family": "qwen2"}
     if name != "triattention":
         return {}
     from kvsieve.methods.triattention import QueryStats

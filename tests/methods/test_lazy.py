@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import torch
 from kvsieve import GenerateConfig, generate
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import make_policy
+from kvsieve.methods._timestamps import threshold
 from kvsieve.methods.lazy import LazyEviction, h1_score, h2_score, importance
+from kvsieve.methods.raas import RaaS
 from kvsieve.policy import compress_layer
 from kvsieve.policy import Schedule
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
@@ -384,16 +387,38 @@ def test_window_auto_reads_the_saved_analysis(tmp_path):
 
 
 def test_alpha_defaults_follow_table_10_by_family_and_can_be_overridden():
-    assert LazyEviction().alpha == 1e-4  # family "qwen2"
     assert LazyEviction(family="llama").alpha == 5e-4
     assert LazyEviction(family="qwen3").alpha == 1e-4
     assert LazyEviction(family="llama", alpha=1e-3).alpha == 1e-3
-    with pytest.raises(ValueError, match="family must be one of"):
+    with pytest.raises(ValueError, match="family must be 'auto' or one of"):
         LazyEviction(family="gpt2")
     with pytest.raises(ValueError, match="alpha must be in"):
         LazyEviction(alpha=0.0)
     with pytest.raises(ValueError, match="lazy h2 must be one of"):
         LazyEviction(h2="rising")
+
+
+@pytest.mark.parametrize("scorer_class", [LazyEviction, RaaS])
+def test_by_default_alpha_is_the_table_10_value_of_the_models_own_family(scorer_class):
+    """App. C sets alpha per model: 5e-4 for the Llama model, 1e-4 for the Qwen ones.  With
+    ``family="auto"`` (the default) each generate call reads the model's type; a type Table 10
+    has no value for is refused naming the settings that fix it; an explicit alpha wins."""
+    def model(model_type):
+        return SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+
+    scorer = scorer_class()
+    assert scorer.family == "auto" and scorer.alpha is None
+    for model_type, alpha in (("llama", 5e-4), ("qwen2", 1e-4), ("qwen3", 1e-4)):
+        with scorer.attach(model(model_type), None):
+            assert threshold(scorer) == alpha
+    with pytest.raises(RuntimeError, match="set family or alpha"):
+        threshold(scorer)  # outside a call nothing says which model it runs on
+    with pytest.raises(ValueError, match="no alpha for model type 'gpt2'; set family= to one of"):
+        with scorer.attach(model("gpt2"), None):
+            pass
+    explicit = scorer_class(alpha=2e-3)
+    with explicit.attach(model("llama"), None):
+        assert threshold(explicit) == 2e-3
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -403,6 +428,19 @@ def run(smollm, prompts, policy, n):
 
 
 # a budget at least the length reproduces full greedy: tests/test_generate.py::test_budget_at_least_length_reproduces_full
+
+
+@pytest.mark.parametrize("name", ["lazy", "raas"])
+def test_on_the_bundled_llama_family_model_the_default_runs_at_the_llama_alpha(smollm, name):
+    """SmolLM2 is a Llama model (``model_type`` "llama"): the default ``family="auto"`` decodes
+    token for token as App. C's Llama setting (alpha 5e-4), and the settings record says it ran
+    with the family read from the model."""
+    settings = {"window": 8} if name == "lazy" else {}
+    default = run(smollm, [LONG], make_policy(name, budget=40, **settings), 48)
+    llama = run(smollm, [LONG], make_policy(name, budget=40, alpha=5e-4, **settings), 48)
+    qwen = run(smollm, [LONG], make_policy(name, budget=40, family="qwen2", **settings), 48)
+    assert default.token_ids == llama.token_ids != qwen.token_ids  # the Qwen value (the old default) differs here
+    assert (default.settings["family"], default.settings["alpha"]) == ("auto", None)
 
 
 def watch_compress(monkeypatch):

@@ -68,7 +68,7 @@ def test_a_prompt_longer_than_the_budget_is_cut_least_recently_attended_first():
 
 
 def test_alpha_follows_the_family_table():
-    assert RaaS().alpha == 1e-4 and RaaS(family="llama").alpha == 5e-4 and RaaS(alpha=2e-3).alpha == 2e-3
+    assert RaaS(family="qwen2").alpha == 1e-4 and RaaS(family="llama").alpha == 5e-4 and RaaS(alpha=2e-3).alpha == 2e-3
     with pytest.raises(ValueError, match="raas head_reduction"):
         RaaS(head_reduction="median")
 

@@ -41,9 +41,9 @@ class MRIRecorder(Scorer):
     be read after ``generate`` returns (the cache itself is not returned).
 
     ``alpha`` defaults to 1e-4, LazyEviction's Qwen value (App. C: DS-Qwen-7B, Qwen3-4B, QwQ-32B;
-    App. G.2 / Table 10 on DS-Qwen-7B), as ``lazy``'s default ``family="qwen2"``.  ``analyze()``
-    passes the alpha it is given or else the value of the model's own family (``resolve_alpha`` on
-    its ``model_type``: 5e-4 for Llama, SmolLM2 included), so the default holds only for a
+    App. G.2 / Table 10 on DS-Qwen-7B).  ``analyze()`` passes the alpha it is given or else the
+    value of the model's own family (``resolve_alpha`` on its ``model_type``: 5e-4 for Llama,
+    SmolLM2 included), as ``lazy``'s ``family="auto"`` does, so the default holds only for a
     recorder built directly."""
 
     # lazy's per-token state; no budget: nothing is ever compressed

@@ -23,9 +23,12 @@ scale, so alpha means the same as for one head; "sum" is G times larger, "max" i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..cache import DEAD_POS
+from ..checks import SettingError
 from ..policy import reduce_group
 
 TS_UNSET = -1.0  # meta_init of "ts": replaced by the token's own position (its birth step)
@@ -35,18 +38,51 @@ TS_UNSET = -1.0  # meta_init of "ts": replaced by the token's own position (its 
 # model of a family (SmolLM2 is "llama", Qwen2.5-Coder "qwen2") and mistral (taken as
 # Llama-like) are kvsieve's extrapolation, not measured by the paper.
 ALPHA_BY_FAMILY = {"llama": 5e-4, "mistral": 5e-4, "qwen2": 1e-4, "qwen3": 1e-4}
+MODEL_FAMILY = "auto"  # ``family`` default: the model's own (its config.model_type), read per call
 
 
-def resolve_alpha(alpha: float | None, family: str, method: str) -> float:
-    """alpha itself, or the Table 10 value of ``family`` when alpha is None; must be > 0."""
+def resolve_alpha(alpha: float | None, family: str, method: str) -> float | None:
+    """alpha itself, or the Table 10 value of ``family`` when alpha is None; None when alpha
+    follows the model's family (``MODEL_FAMILY``), set per call by ``alpha_for_call``.  An alpha
+    must be in (0, 1]."""
     if alpha is None:
+        if family == MODEL_FAMILY:
+            return None
         if family not in ALPHA_BY_FAMILY:
-            raise ValueError(f"{method} family must be one of {sorted(ALPHA_BY_FAMILY)} "
+            raise ValueError(f"{method} family must be {MODEL_FAMILY!r} or one of {sorted(ALPHA_BY_FAMILY)} "
                              f"(or set alpha explicitly), got {family!r}")
         alpha = ALPHA_BY_FAMILY[family]
     if not 0.0 < float(alpha) <= 1.0:
         raise ValueError(f"{method} alpha must be in (0, 1] (an attention threshold), got {alpha}")
     return float(alpha)
+
+
+@contextlib.contextmanager
+def alpha_for_call(scorer, model):
+    """A timestamp scorer's ``attach``: for one generate call, ``scorer.call_alpha`` is its alpha,
+    or with ``family="auto"`` the Table 10 value of the model's family (``config.model_type``:
+    SmolLM2 and Llama "llama", Qwen2.5 "qwen2")."""
+    alpha = scorer.alpha
+    if alpha is None:
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in ALPHA_BY_FAMILY:
+            raise SettingError("family", f"{scorer.name}: LazyEviction's Table 10 gives no alpha for model type "
+                               f"{model_type!r}; set {{name}} to one of {sorted(ALPHA_BY_FAMILY)} or set alpha")
+        alpha = ALPHA_BY_FAMILY[model_type]
+    scorer.call_alpha = alpha
+    try:
+        yield None
+    finally:
+        scorer.call_alpha = None
+
+
+def threshold(scorer) -> float:
+    """The alpha a timestamp scorer observes with: its own, else its call's (``alpha_for_call``)."""
+    alpha = scorer.alpha if scorer.alpha is not None else scorer.call_alpha
+    if alpha is None:
+        raise RuntimeError(f"{scorer.name}: alpha follows the model's family (family='auto'), known only "
+                           "inside a generate call (the scorer's attach); set family or alpha to use it alone")
+    return alpha
 
 
 def born_timestamps(layer) -> torch.Tensor:

@@ -32,13 +32,14 @@ for ``tova`` and ``raas``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..checks import SettingError
 from ..policy import HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, register
-from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, prefill_timestamps, resolve_alpha
+from ._timestamps import (MODEL_FAMILY, TS_UNSET, alpha_for_call, born_timestamps, observe_timestamps,
+                          prefill_timestamps, resolve_alpha, threshold)
 
 # W, the observation window: the paper's value for GSM8K (Table 3; best of Table 9 on DS-Llama-8B).
 # Also the recent window of the paper's H2O baseline (App. C; ``h2o`` recent_rule="lazy-window").
@@ -130,14 +131,14 @@ class LazyEviction(Scorer):
         budget=B, recent_rule="lazy-window")`` for the default W, ``recent=W`` for another.
     alpha : float | None, default None
         Activation threshold (Alg. 1 line 2).  None: the Table 10 value for ``family``.
-    family : str, default "qwen2"
+    family : str, default "auto"
         Model family for alpha: "llama" 5e-4 (DS-Llama-8B), "qwen2"/"qwen3" 1e-4 (DS-Qwen-7B,
         Qwen3-4B, QwQ-32B), App. C.  For other models of a family (SmolLM2 is "llama",
         Qwen2.5-Coder "qwen2") and for "mistral" (5e-4) the value is an extrapolation.
-        "qwen2" is kvsieve's choice: three of App. C's four models (DS-Qwen-7B, Qwen3-4B, QwQ-32B)
-        are Qwen-family at 1e-4 (App. G.2 / Table 10 tunes it on DS-Qwen-7B).  It is not read
-        from the model: Llama-family models, the bundled default SmolLM2 included, should pass
-        ``family="llama"`` (alpha 5e-4).
+        "auto" (default): the model's own family, its ``config.model_type``, read at each
+        generate call (``attach``), as App. C sets alpha per model; a model type without a
+        Table 10 value is refused, naming ``family`` and ``alpha``.  (Before issue 35's review
+        the default was "qwen2" for every model: 1e-4 on Llama-family models too.)
     head_reduction : str, default "mean"
         Reduction of a GQA group's attention onto its kv head ("mean", "max", "sum"); not
         fixed by the paper.  alpha assumes one softmax row's scale, which "mean" keeps.
@@ -181,7 +182,8 @@ class LazyEviction(Scorer):
 
     about = About("lagged eviction every W steps: W recent + top B-W by MRI-centric importance",
                   "LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / "
-                  "App. C (llama 5e-4, qwen 1e-4; SmolLM2, Qwen2.5 and mistral: family value extrapolated); H2 "
+                  "App. C (llama 5e-4, qwen 1e-4, by the model's type; SmolLM2, Qwen2.5 and mistral: family value "
+                  "extrapolated); H2 "
                   "falling with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
                   "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
                   "interval = W, budget >= 2W")
@@ -196,12 +198,14 @@ class LazyEviction(Scorer):
 
     window: int | str = DEFAULT_WINDOW
     alpha: float | None = None
-    family: str = "qwen2"
+    family: str = MODEL_FAMILY
     head_reduction: str = "mean"
     h2: str = "text"
     observe_prompt: bool = False
     prompt_birth: str = "prefill"
     analysis: str = "kvsieve-mri.json"
+    # the alpha of the generate call in progress (``attach``), when alpha follows the model's family
+    call_alpha: float | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.window == "auto":
@@ -253,13 +257,17 @@ class LazyEviction(Scorer):
                              f"B + W; lower window or raise the budget")
         return self.window
 
+    def attach(self, model, tokenizer):
+        """For one generate call: alpha from the model's family when ``family="auto"``."""
+        return alpha_for_call(self, model)
+
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap]; T > 1 only for prefill chunks
         if probs.shape[3] > 1 and not self.observe_prompt:  # a prefill chunk: no step of Alg. 1, only births
             born = prefill_timestamps(layer, query_pos) if self.prompt_birth == "prefill" else born_timestamps(layer)
             layer.meta["ts"].copy_(born)
             return
-        observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=True)
+        observe_timestamps(layer, probs, query_pos, threshold(self), self.head_reduction, track_mri=True)
 
     def score(self, layer, seen_tokens):
         now = (seen_tokens - 1).to(torch.float32)[:, None, None]  # t: the last query's position

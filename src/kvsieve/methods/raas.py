@@ -17,12 +17,13 @@ tokens").  Table 3's "RaaS + window" is ``interval=W, recent=W``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..policy import HEAD_REDUCTIONS, About, Needs, Scorer, check_choice, register
-from ._timestamps import TS_UNSET, born_timestamps, observe_timestamps, resolve_alpha
+from ._timestamps import (MODEL_FAMILY, TS_UNSET, alpha_for_call, born_timestamps, observe_timestamps,
+                          resolve_alpha, threshold)
 
 # Decode tokens score TS - 2**23, prompt tokens TS: every prompt token ranks first, and
 # integer stamps below 2**23 stay exact in float32.
@@ -40,11 +41,9 @@ class RaaS(Scorer):
         Attention threshold that refreshes a timestamp.  None: LazyEviction's Table 10 value
         for ``family`` (the paper adopts RaaS's way of setting alpha, Sec. 4, and gives no
         separate value for its RaaS runs).
-    family : str, default "qwen2"
-        Model family for alpha: "llama"/"mistral" 5e-4, "qwen2"/"qwen3" 1e-4 (see ``lazy``).
-        "qwen2" is kvsieve's choice, as ``lazy``'s: three of LazyEviction App. C's four models
-        are Qwen-family at 1e-4.  It is not read from the model: Llama-family models, the
-        bundled default SmolLM2 included, should pass ``family="llama"`` (alpha 5e-4).
+    family : str, default "auto"
+        Model family for alpha: "llama"/"mistral" 5e-4, "qwen2"/"qwen3" 1e-4 (see ``lazy``);
+        "auto": the model's own (``config.model_type``), read at each generate call, as ``lazy``.
     head_reduction : str, default "mean"
         Reduction of a GQA group's attention onto its kv head, as in ``lazy``.
     """
@@ -59,12 +58,18 @@ class RaaS(Scorer):
     # prefill tokens"), so the prompt is not put outside it
 
     alpha: float | None = None
-    family: str = "qwen2"
+    family: str = MODEL_FAMILY
     head_reduction: str = "mean"
+    # the alpha of the generate call in progress (``attach``), when alpha follows the model's family
+    call_alpha: float | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.alpha = resolve_alpha(self.alpha, self.family, "raas")
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "raas head_reduction")
+
+    def attach(self, model, tokenizer):
+        """For one generate call: alpha from the model's family when ``family="auto"``."""
+        return alpha_for_call(self, model)
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap]; a multi-query call is a prefill chunk, and everything
@@ -72,7 +77,7 @@ class RaaS(Scorer):
         # a decode step: the engine does not say which phase it is in.)
         if probs.shape[3] > 1:
             layer.meta["prompt"].copy_(layer.live())
-        observe_timestamps(layer, probs, query_pos, self.alpha, self.head_reduction, track_mri=False)
+        observe_timestamps(layer, probs, query_pos, threshold(self), self.head_reduction, track_mri=False)
 
     def score(self, layer, seen_tokens):
         ts = born_timestamps(layer)  # [B, H_kv, cap]
