@@ -16,7 +16,7 @@ from kvsieve.eval import EvalConfig, ResultStore, load_results, run_grid, summar
 from kvsieve.eval.cli import register
 from kvsieve.eval.config import parse_list, parse_shard, split_settings
 from kvsieve.eval.regrade import regrade
-from kvsieve.eval.report import CellSummary, markdown_table, mcnemar_p
+from kvsieve.eval.report import CellSummary, markdown_table, mcnemar_p, table_rows
 from kvsieve.eval.store import check_manifest, row_key
 
 GSM_ROWS = [
@@ -450,6 +450,22 @@ def test_summary_numbers():
     assert full.lost is None and "-2/+0 (0.5)" in markdown_table([full, t64])
 
 
+def test_at_cap_counts_the_rows_that_ran_to_the_token_limit():
+    """Rows that stopped at max_new_tokens (finish_reason "length"), not at EOS or a stop string;
+    unknown ("-") for rows that recorded no finish reason."""
+    rows = synthetic_rows()
+    for row in rows:
+        if row["method"] == "tova" and row["budget"] == 64:
+            row["finish_reason"] = "length" if int(row["id"]) < 7 else "eos"
+        elif row["method"] == "full":
+            row["finish_reason"] = "stop" if row["id"] == "0" else "eos"
+    full, t64, t128 = summarize(rows)
+    assert (full.at_cap, t64.at_cap, t128.at_cap) == (0, 7, None)
+    columns, cells = table_rows([full, t64, t128])
+    at_cap = columns.index("at cap")
+    assert [row[at_cap] for row in cells] == ["0", "7", "-"]
+
+
 def test_tokens_per_s_is_the_cells_tokens_over_its_batches_decode_time():
     """Two batches run one after the other, rows written as they end: batch A (prefill 10 s from
     t=100) decodes until its last row ends at 40 s, batch B (prefill 5 s from t=151) until 15 s,
@@ -471,8 +487,6 @@ def test_tokens_per_s_is_the_cells_tokens_over_its_batches_decode_time():
 
 def test_cells_pair_with_random_at_their_budget_and_say_the_prompts_fate():
     """vs random counts, per shared id, random right and the cell wrong (lost) and the reverse."""
-    from kvsieve.eval.report import table_rows
-
     rows = synthetic_rows()
     for i in range(10):  # random@64 right on 0-2 and 9; tova@64 right on 0-5
         rows.append({"id": str(i), "method": "random", "budget": 64, "correct": i < 3 or i == 9, "prompt_tokens": 100,

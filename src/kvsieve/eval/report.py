@@ -20,6 +20,9 @@ Definitions (every number is computed from the rows alone):
   ``full`` is 1x (the peak, usually right after prefill, shows in the memory column instead);
 * peak KV: allocated cache bytes at the peak (K, V and per-token metadata; a batch's bytes are
   shared equally by its rows), mean over samples;
+* at cap: rows that stopped at ``max_new_tokens`` (``finish_reason`` "length") rather than at
+  EOS or a stop string: a cell where most rows do has lost the end of its answers (a model that
+  answers and then writes on), "-" for rows that recorded no finish reason;
 * tokens/s: the cell's generated tokens over its batches' decode time (each batch until its
   last row ends; ``batch_tokens_per_s``): what the machine produced, not one row's share.
 * peak live/head: the most live KV tokens any layer held at once, per kv head (the row's
@@ -104,6 +107,7 @@ class CellSummary:
     random_gained: int | None = None
     random_p: float | None = None
     prompt: str | None = None  # "kept" (protect_prompt), "competes", "mixed"; None without a budget
+    at_cap: int | None = None  # rows that stopped at max_new_tokens (finish_reason "length"); None if unrecorded
 
     @property
     def label(self) -> str:
@@ -250,7 +254,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             steady_live_tokens_per_head=_mean(steady) if steady else None,
             bound_unknown=None if key[1] is None else sum(f is None for f in flags),
             lost=lost, gained=gained, paired_p=paired_p, random_lost=random_lost, random_gained=random_gained,
-            random_p=random_p, prompt=prompt_fate(group)))
+            random_p=random_p, prompt=prompt_fate(group),
+            at_cap=sum(r.get("finish_reason") == "length" for r in group) if any("finish_reason" in r for r in group)
+            else None))
     return out
 
 
@@ -262,7 +268,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 COLUMNS = ("method", "budget", "prompt", "n", "accuracy", "95% CI", "retained", "vs full (p)", "vs random (p)",
-           "gen mean", "gen max", "KV compr.", "peak KV MiB", "peak live/head", "steady/head", "bound", "events",
+           "gen mean", "gen max", "at cap", "KV compr.", "peak KV MiB", "peak live/head", "steady/head", "bound", "events",
            "tok/s")
 _QUALITY = slice(4, 9)  # the accuracy columns, replaced by perplexity on a text grid
 
@@ -312,7 +318,7 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
         else:
             events = f"{s.compression_events:.1f} ({s.compressed_share:.0%})"
         rows.append((s.method, _fmt(s.budget, "d", "none"), s.prompt or "-", str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
-                     str(s.max_generated_tokens), compression, _fmt(s.peak_kv_mib, ".2f"),
+                     str(s.max_generated_tokens), _fmt(s.at_cap, "d"), compression, _fmt(s.peak_kv_mib, ".2f"),
                      _fmt(s.peak_live_tokens_per_head, ".0f"), _fmt(s.steady_live_tokens_per_head, ".0f"),
                      bound_text(s), events, _fmt(s.tokens_per_s, ".1f")))
     return columns, rows
