@@ -51,9 +51,12 @@ TRI_STATS=${TRI_STATS:-$ROOT/results/triattention/qwen2.5-coder-1.5b-stats.pt}
 BATCH=${BATCH:-50}
 THREADS=${THREADS:-2}
 
-# rkv first after full: stage 4's TriAttention is reported beside it (its paper's baseline); the order of
-# --methods is the order cells run in, and changes nothing else (run.json's settings are a mapping)
-METHODS=full,rkv,lazy,ams:tova,skipkv,caote:tova,lagkv,tova,h2o,expected,random
+# The order of --methods is the order cells run in, and changes nothing else (run.json's settings are a
+# mapping): rkv first after full (stage 4's TriAttention is reported beside it, its paper's baseline),
+# random before the other baselines (the control every cell is paired with), and at stage 1 the
+# prompt-protected cells before h2o and expected (the README's "when to protect the prompt")
+CORE=full,rkv,lazy,ams:tova,skipkv,caote:tova,lagkv,tova,random
+BASELINES=h2o,expected
 PROTECTED=lazy+protect,ams:tova+protect,skipkv+protect,caote:tova+protect,rkv+competes
 # --set flags per group of methods: eval refuses a setting for a method not in its --methods, so
 # each stage passes the settings of its own methods only
@@ -67,9 +70,9 @@ PROTECT_SET="--set lazy+protect.protect_prompt=true --set ams:tova+protect.prote
 stage_args() {  # stage -> its eval arguments
   case $1 in
     1) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
-             --methods $METHODS,$PROTECTED $BASE_SET $PROTECT_SET --out $GRID/stage1-gsm8k-b128" ;;
+             --methods $CORE,$PROTECTED,$BASELINES $BASE_SET $PROTECT_SET --out $GRID/stage1-gsm8k-b128" ;;
     2) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
-             --max-new-tokens 768 --methods $METHODS $MATH_SET --out $GRID/stage2-math500-b256" ;;
+             --max-new-tokens 768 --methods $CORE,$BASELINES $MATH_SET --out $GRID/stage2-math500-b256" ;;
     3) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 64 --max-new-tokens 512
              --methods full,lazy,ams:tova,skipkv,caote:tova,lagkv,random $LAGKV_SET --out $GRID/stage3-gsm8k-b64" ;;
     4) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
