@@ -183,8 +183,8 @@ class LazyEviction(Scorer):
     about = About("lagged eviction every W steps: W recent + top B-W by MRI-centric importance",
                   "LazyEviction (ACL submission) Sec. 4 Eqs. 1, 2, 5, Alg. 1: W=25 Tables 3/9; alpha Table 10 / "
                   "App. C (llama 5e-4, qwen 1e-4, by the model's type; SmolLM2, Qwen2.5 and mistral: family value "
-                  "extrapolated); H2 "
-                  "falling with MRI as Sec. 4's text and App. D say (h2='printed': the printed, rising formula); "
+                  "extrapolated); H2 falling with MRI as Sec. 4's text and App. D say (h2='printed': the printed, "
+                  "rising formula); "
                   "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
                   "interval = W, budget >= 2W")
     # new tokens: born now (TS = own position), MRI 0 (Sec. 4); per-token scores: evicted in place
