@@ -135,3 +135,21 @@ def test_batched_collection_reads_every_row_once_including_rows_that_finish_earl
     assert np.abs(np.sort(batched) - np.sort(one)).mean() < 0.05
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         collect_mri(model, tok, prompts, 4, alpha=5e-4, batch_size=0)
+
+
+def test_a_model_type_without_a_table_10_alpha_is_refused_naming_alpha(tmp_path):
+    """``analyze`` takes alpha from the model's family (App. C, Table 10) as ``lazy`` does; for a
+    type the table has no value for it names its own fix, ``alpha`` (it has no ``family``)."""
+    from types import SimpleNamespace
+
+    from kvsieve.analysis.mri import analyze
+    from kvsieve.checks import SettingError
+
+    model = SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))
+    with pytest.raises(SettingError) as refused:
+        analyze(model, None, QUESTIONS, tmp_path / "mri.json")
+    assert refused.value.setting == "alpha"
+    message = refused.value.in_terms("--alpha")
+    assert "no alpha for model type 'gpt2'; set --alpha" in message and "family" not in message
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\]"):
+        analyze(model, None, QUESTIONS, tmp_path / "mri.json", alpha=2.0)

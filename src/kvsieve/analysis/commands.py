@@ -37,6 +37,7 @@ def register_mri(app) -> None:
     ):
         """Measure MRIs with a full cache and recommend LazyEviction's window W (80th percentile)."""
         from .. import models
+        from ..checks import SettingError
         from .mri import analyze, load_prompts
 
         dataset = dataset or DEFAULT_DATASET
@@ -48,6 +49,8 @@ def register_mri(app) -> None:
         try:
             s = analyze(lm, tokenizer, prompts, out, max_new_tokens, alpha,
                         info={"model": model, "dataset": str(dataset), "batch_size": batch_size}, batch_size=batch_size)
+        except SettingError as err:  # a model type without a Table 10 alpha
+            raise typer.BadParameter(err.in_terms("--alpha")) from None
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         table = Table(title=f"MRI of {s['tokens']:,} (layer, kv head, token) entries, {s['samples']} samples, alpha {s['alpha']:g}")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..generate import GenerateConfig, generate
-from ..methods._timestamps import resolve_alpha
+from ..methods._timestamps import MODEL_FAMILY, model_alpha, resolve_alpha
 from ..methods.lazy import LazyEviction
 from ..policy import HostHooks, Needs, Policy, Scorer
 from .commands import PROMPT_FIELDS
@@ -42,7 +42,7 @@ class MRIRecorder(Scorer):
 
     ``alpha`` defaults to 1e-4, LazyEviction's Qwen value (App. C: DS-Qwen-7B, Qwen3-4B, QwQ-32B;
     App. G.2 / Table 10 on DS-Qwen-7B).  ``analyze()`` passes the alpha it is given or else the
-    value of the model's own family (``resolve_alpha`` on its ``model_type``: 5e-4 for Llama,
+    value of the model's own family (``model_alpha`` on its ``model_type``: 5e-4 for Llama,
     SmolLM2 included), as ``lazy``'s ``family="auto"`` does, so the default holds only for a
     recorder built directly."""
 
@@ -163,7 +163,9 @@ def analyze(model, tokenizer, prompts, out, max_new_tokens: int = 1024, alpha: f
             head_reduction: str = "mean", info: dict | None = None, batch_size: int = 1) -> dict:
     """Run, summarise, write ``out`` (JSON) and the PNG beside it; return the summary."""
     out = Path(out)
-    alpha = resolve_alpha(alpha, getattr(model.config, "model_type", ""), "analyze mri")
+    if alpha is None:
+        alpha = model_alpha(model, "analyze mri", "alpha", "(Table 10: 5e-4 for Llama, 1e-4 for Qwen)")
+    alpha = resolve_alpha(alpha, MODEL_FAMILY, "analyze mri")  # refuses one outside (0, 1]
     mri, generated = collect_mri(model, tokenizer, prompts, max_new_tokens, alpha, head_reduction, batch_size)
     summary = {**(info or {}), "samples": len(prompts), "max_new_tokens": max_new_tokens, "alpha": alpha,
                "head_reduction": head_reduction, "mean_generated_tokens": float(np.mean(generated)),

@@ -57,6 +57,16 @@ def resolve_alpha(alpha: float | None, family: str, method: str) -> float | None
     return float(alpha)
 
 
+def model_alpha(model, who: str, setting: str, fix: str) -> float:
+    """The Table 10 alpha of ``model``'s family (``config.model_type``); a type the table gives no
+    value for is refused as a ``SettingError`` on ``setting``, whose fix the caller names."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in ALPHA_BY_FAMILY:
+        raise SettingError(setting, f"{who}: LazyEviction's Table 10 gives no alpha for model type "
+                           f"{model_type!r}; set {{name}} {fix}")
+    return ALPHA_BY_FAMILY[model_type]
+
+
 @contextlib.contextmanager
 def alpha_for_call(scorer, model):
     """A timestamp scorer's ``attach``: for one generate call, ``scorer.call_alpha`` is its alpha,
@@ -64,11 +74,7 @@ def alpha_for_call(scorer, model):
     SmolLM2 and Llama "llama", Qwen2.5 "qwen2")."""
     alpha = scorer.alpha
     if alpha is None:
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in ALPHA_BY_FAMILY:
-            raise SettingError("family", f"{scorer.name}: LazyEviction's Table 10 gives no alpha for model type "
-                               f"{model_type!r}; set {{name}} to one of {sorted(ALPHA_BY_FAMILY)} or set alpha")
-        alpha = ALPHA_BY_FAMILY[model_type]
+        alpha = model_alpha(model, scorer.name, "family", f"to one of {sorted(ALPHA_BY_FAMILY)} or set alpha")
     scorer.call_alpha = alpha
     try:
         yield None
