@@ -458,6 +458,19 @@ def test_random_scores_repeat_for_a_seed_and_change_with_another_seed():
     assert make_policy("random", budget=4, seed=5).scorer.seed == 5
 
 
+def test_random_draws_the_same_scores_in_every_generate_call_of_one_policy():
+    """``attach`` (entered once per generate call) restarts the seeded generator, so reusing a
+    policy object repeats a run instead of continuing the first call's random stream."""
+    built = build(10)
+    scorer = RandomScorer(seed=3)
+    draws = []
+    for _ in range(2):
+        with scorer.attach(None, None):
+            draws.append([scorer.score(built.layer, built.seen) for _ in range(2)])
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
+    assert not torch.equal(draws[0][0], draws[0][1])  # within a call the stream goes on
+
+
 # ============================================================================ dead slots
 
 

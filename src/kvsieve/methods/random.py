@@ -3,6 +3,7 @@
 No paper and no official code: kvsieve's control baseline.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -18,13 +19,19 @@ class RandomScorer(Scorer):
     Parameters
     ----------
     seed : int, default 0
-        Seed of the scorer's own generator (kvsieve's choice), so runs are repeatable.
+        Seed of the scorer's own generator (kvsieve's choice), so runs are repeatable: each
+        generate call draws from it afresh, so one policy used twice decodes the same tokens.
     """
 
     about = About("uniform random scores (control)", "control baseline; no paper")
     needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
     seed: int = 0
     _gen: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
+
+    @contextlib.contextmanager
+    def attach(self, model, tokenizer):
+        self._gen = None  # this call's first score seeds a new generator
+        yield None
 
     def score(self, layer, seen_tokens):
         if self._gen is None or self._gen.device != layer.keys.device:
