@@ -591,6 +591,33 @@ def test_side_by_side_table_has_a_column_group_per_budget():
     assert side_by_side_table(summarize([r for r in rows if r["budget"] != 64])) is None  # one budget
 
 
+def test_pairwise_table_pairs_every_two_cells_on_the_samples_both_graded():
+    """Entry (A, B) is ``a/b (p)``: A right where B is wrong on a samples, the reverse on b, with
+    the exact two-sided binomial p of that split, computed here from its definition."""
+    from math import comb
+
+    from kvsieve.eval.report import pairwise_table
+
+    def p_exact(a, b):  # two-sided: both tails of Binomial(a + b, 1/2) at least as extreme
+        n, k = a + b, min(a, b)
+        return min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n)
+
+    right = {("full", None): set(range(8)), ("tova", 64): {0, 1}, ("h2o", 64): {1, 2, 3, 4, 5, 6, 7, 8}}
+    rows = [{"id": str(i), "method": m, "budget": b, "correct": i in ids} for (m, b), ids in right.items()
+            for i in range(10)]
+    rows.append({"id": "10", "method": "h2o", "budget": 64, "correct": True})  # a sample only h2o has
+    lines = pairwise_table(rows).splitlines()
+    assert lines[0] == "| | h2o@64 | full | tova@64 |"  # by accuracy: 9/11, 8/10, 2/10
+    by_row = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in lines[2:]}
+    assert by_row["full"][0] == f"1/1 ({p_exact(1, 1):.2g})"  # id 0 for full, id 8 for h2o; id 10 not shared
+    assert by_row["full"][2] == f"**6/0 ({p_exact(6, 0):.2g})**" and p_exact(6, 0) < 0.05  # ids 2-7
+    assert by_row["tova@64"][1] == f"**0/6 ({p_exact(0, 6):.2g})**"
+    assert by_row["h2o@64"][2] == f"7/1 ({p_exact(7, 1):.2g})" and p_exact(7, 1) > 0.05  # ids 2-8 vs id 0
+    assert [by_row[k][i] for i, k in enumerate(["h2o@64", "full", "tova@64"])] == ["-"] * 3
+    assert pairwise_table(rows, max_cells=2) is None
+    assert pairwise_table([r for r in rows if r["method"] == "full"]) is None
+
+
 def test_report_files(tmp_path):
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows()))
     check_manifest(tmp_path, {"model": "tiny", "dataset": "gsm8k", "max_new_tokens": 80})
@@ -603,6 +630,8 @@ def test_report_files(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "tiny on gsm8k" in md and "| tova | 64 | competes | 10 | 0.600 | 0.31-0.83 | 75% |" in md
     assert "## Side by side" in md and "| tova | 8/10 | -0/+0 (1) |" in md
+    assert "## Every two cells, paired" in md
+    assert "| full | - | 0/0 (1) | 2/0 (0.5) |" in md  # full and tova@128 right on ids 0-7, tova@64 on 0-5
     csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,budget,n,correct,accuracy,ci_low,ci_high,retained") and len(csv_lines) == 4
     with pytest.raises(ValueError, match="no result rows"):
