@@ -11,6 +11,9 @@ Definitions (every number is computed from the rows alone):
   cell's accuracy differs from ``full``'s beyond chance on these samples;
 * vs random: the same pairing against the ``random`` cell at the same budget (the control: a
   method that cannot beat random eviction beyond chance has not shown that its scores help);
+* every two cells, paired (the table under the summary, for grids of up to 20 graded cells):
+  the same pairing for each pair of cells, on the samples both graded; with many pairs a lone p
+  near 0.05 is weak evidence (under no difference about 5% of pairs fall below it by chance);
 * prompt: "kept" when the rows protect the prompt (``protect_prompt``: the budget bounds the
   generated tokens only), "competes" when prompt and output share the budget, "-" without one;
 * KV compression: per sample, the KV tokens a full cache would hold at the end
