@@ -606,7 +606,7 @@ def test_pairwise_table_pairs_every_two_cells_on_the_samples_both_graded():
     rows = [{"id": str(i), "method": m, "budget": b, "correct": i in ids} for (m, b), ids in right.items()
             for i in range(10)]
     rows.append({"id": "10", "method": "h2o", "budget": 64, "correct": True})  # a sample only h2o has
-    lines = pairwise_table(rows).splitlines()
+    lines = pairwise_table(rows, summarize(rows)).splitlines()
     assert lines[0] == "| | h2o@64 | full | tova@64 |"  # by accuracy: 9/11, 8/10, 2/10
     by_row = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in lines[2:]}
     assert by_row["full"][0] == f"1/1 ({p_exact(1, 1):.2g})"  # id 0 for full, id 8 for h2o; id 10 not shared
@@ -614,8 +614,9 @@ def test_pairwise_table_pairs_every_two_cells_on_the_samples_both_graded():
     assert by_row["tova@64"][1] == f"**0/6 ({p_exact(0, 6):.2g})**"
     assert by_row["h2o@64"][2] == f"7/1 ({p_exact(7, 1):.2g})" and p_exact(7, 1) > 0.05  # ids 2-8 vs id 0
     assert [by_row[k][i] for i, k in enumerate(["h2o@64", "full", "tova@64"])] == ["-"] * 3
-    assert pairwise_table(rows, max_cells=2) is None
-    assert pairwise_table([r for r in rows if r["method"] == "full"]) is None
+    assert pairwise_table(rows, summarize(rows), max_cells=2) is None
+    only_full = [r for r in rows if r["method"] == "full"]
+    assert pairwise_table(only_full, summarize(only_full)) is None
 
 
 def test_report_files(tmp_path):

@@ -368,33 +368,30 @@ def side_by_side_table(summaries: list[CellSummary]) -> str | None:
 PAIRWISE_MAX_CELLS = 20  # beyond this a cell-by-cell matrix is too wide to read
 
 
-def pairwise_table(rows: list[dict[str, Any]], max_cells: int = PAIRWISE_MAX_CELLS) -> str | None:
-    """Markdown: every two graded cells paired on the samples both graded.  The entry in row A,
-    column B is ``a/b (p)``: A right and B wrong on ``a`` samples, the reverse on ``b``, and the
-    exact McNemar p of that split (bold below 0.05).  Cells sorted by accuracy, best first.  None
-    for fewer than two graded cells or more than ``max_cells``."""
-    cells: dict[tuple[str, int | None], dict[str, bool]] = {}
+def pairwise_table(rows: list[dict[str, Any]], summaries: list[CellSummary],
+                   max_cells: int = PAIRWISE_MAX_CELLS) -> str | None:
+    """Markdown: every two graded cells paired on the samples both graded (``shared_pairs``,
+    ``paired``).  The entry in row A, column B is ``a/b (p)``: A right and B wrong on ``a``
+    samples, the reverse on ``b``, and the exact McNemar p of that split (bold below 0.05).
+    Cells sorted by accuracy, best first.  None for fewer than two graded cells or more than
+    ``max_cells``."""
+    order = sorted((s for s in summaries if s.accuracy is not None), key=lambda s: -s.accuracy)  # stable: ties in cell_order
+    if not 2 <= len(order) <= max_cells:
+        return None
+    graded: dict[tuple[str, int | None], dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r.get("correct") is not None:
-            cells.setdefault((r["method"], r["budget"]), {})[r["id"]] = bool(r["correct"])
-    if not 2 <= len(cells) <= max_cells:
-        return None
-    order = sorted(cells, key=lambda k: (-sum(cells[k].values()) / len(cells[k]), cell_order(k)))
-    label = {k: k[0] if k[1] is None else f"{k[0]}@{k[1]}" for k in order}
-    lines = ["| | " + " | ".join(label[k] for k in order) + " |", "|---|" + "---|" * len(order)]
+            graded.setdefault((r["method"], r["budget"]), {})[r["id"]] = r
+    lines = ["| | " + " | ".join(s.label for s in order) + " |", "|---|" + "---|" * len(order)]
     for a in order:
         entries = []
         for b in order:
-            shared = cells[a].keys() & cells[b].keys()
-            if a == b or not shared:
-                entries.append("-")
-                continue
-            a_only = sum(cells[a][i] and not cells[b][i] for i in shared)
-            b_only = sum(cells[b][i] and not cells[a][i] for i in shared)
-            p = mcnemar_p(b_only, a_only)
-            text = f"{a_only}/{b_only} ({p:.2g})"
-            entries.append(f"**{text}**" if p < 0.05 else text)
-        lines.append(f"| {label[a]} | " + " | ".join(entries) + " |")
+            # B as the reference: "lost" is B right and A wrong, "gained" the reverse
+            b_only, a_only, p = paired(shared_pairs(graded[b.method, b.budget], list(graded[a.method, a.budget].values()))
+                                       if a is not b else [])
+            text = "-" if p is None else f"{a_only}/{b_only} ({p:.2g})"
+            entries.append(f"**{text}**" if p is not None and p < 0.05 else text)
+        lines.append(f"| {a.label} | " + " | ".join(entries) + " |")
     return "\n".join(lines)
 
 
@@ -542,7 +539,7 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
     if wide is not None:
         body += ["## Side by side", "", "A row per method, sorted by accuracy at the largest budget, then the next.",
                  "", wide, ""]
-    pairs = pairwise_table(rows)
+    pairs = pairwise_table(rows, summaries)
     if pairs is not None:
         body += ["## Every two cells, paired", "",
                  "Row A, column B: `a/b (p)`, A right and B wrong on a samples, the reverse on b, and the exact "
