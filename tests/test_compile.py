@@ -8,6 +8,8 @@ graph capture, guards and recompiles as Inductor, without minutes of C++ code ge
 policy on this CPU); the ``slow`` tests run Inductor itself.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -84,6 +86,28 @@ def test_host_hook_policies_say_so_and_run_eagerly(smollm):
         compiled = generate(model, tok, EARLY[:1], policy, GenerateConfig(max_new_tokens=12, compile=True))
     assert compiled.token_ids == eager.token_ids
     assert compiled.stats[0].compiled_steps == 0
+
+
+def test_random_says_its_in_step_scores_cannot_compile_and_runs_eagerly_with_the_eager_tokens(smollm):
+    """random draws from a torch.Generator, which Dynamo cannot trace: evicting every step
+    (its default), compile=True warns once and decodes eagerly, where it used to raise inside the
+    traced step; at an interval its scores are drawn in the eager compression, so the decode
+    step still compiles.  Both give the eager run's tokens (the generator restarts per call)."""
+    import kvsieve.session as session_module
+
+    model, tok = smollm
+    for interval, compiles in ((1, False), (4, True)):
+        policy = make_policy("random", budget=BUDGET, interval=interval)
+        eager = generate(model, tok, EARLY, policy, GenerateConfig(max_new_tokens=40))
+        session_module._WARNED.clear()
+        with compile_backend("eager"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = generate(model, tok, EARLY, policy, GenerateConfig(max_new_tokens=40, compile=True))
+        said = [str(w.message) for w in caught if "cannot be traced" in str(w.message)]
+        assert compiled.token_ids == eager.token_ids
+        assert compiled.stats[0].compression_events >= 3
+        assert (compiled.stats[0].compiled_steps > 0) == compiles
+        assert len(said) == (0 if compiles else 1)
 
 
 @pytest.mark.slow

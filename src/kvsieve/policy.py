@@ -90,6 +90,10 @@ class Needs:
     fitted_fields : tuple[str, ...]
         A scorer without ``uses_budget`` that maps a budget to its own settings (``fit_budget``)
         names the fields the fit sets, per batch (LagKV: lag, ratio, ...); empty otherwise.
+    traceable : bool
+        False: ``score()`` uses a host object ``torch.compile`` cannot trace (random's
+        ``torch.Generator``), so a session that would evict inside a compiled step says so once
+        and decodes eagerly (``kvsieve.session``).
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -104,6 +108,7 @@ class Needs:
     whole_layers: int = 0
     uses_budget: bool = True
     fitted_fields: tuple[str, ...] = ()
+    traceable: bool = True
 
     @property
     def fits_budget(self) -> bool:

@@ -15,8 +15,10 @@ advanced on the host, and device state (lengths, positions, per-token scores, ``
 stays on the device.  That is what lets ``compile=True`` run the fixed-capacity step through
 ``torch.compile(fullgraph=True)``: Inductor on CPU, CUDA graphs (``mode="reduce-overhead"``) on
 CUDA.  Every-step policies that evict in place (``Needs.slot_order_free``: tova, h2o,
-streaming, knorm, keydiff, random, caote on those) evict inside the compiled step; interval
+streaming, knorm, keydiff, caote on those) evict inside the compiled step; interval
 policies compress eagerly every ``interval`` steps, copying back into the same storage.
+``random`` draws its scores from a host generator, which cannot be traced: at its default
+interval of 1 it says so and decodes eagerly (``Needs.traceable``).
 
 Shapes stay static after warm-up: a layer's capacity is fixed once decoding starts (budget +
 interval when bounded; the horizon rounded up to ``CAPACITY_BUCKET`` for ``full``), and finished
@@ -134,7 +136,8 @@ class DecodeSession:
     batch_size, horizon : rows in the batch and the most tokens (prompt + new) any row holds.
     static : allocate every layer at its decode capacity once and keep tensors at fixed addresses.
     compile : run ``step`` through ``torch.compile`` (implies ``static``); policies with per-token
-        host hooks (SkipKV's sentences, steering, trace recording) say so once and run eagerly.
+        host hooks (SkipKV's sentences, steering, trace recording) or untraceable in-step scores
+        (random's, ``Needs.traceable``) say so once and run eagerly.
     hooks : objects with ``attach(model, tokenizer)`` (a scorer, a steering vector) entered for
         the session's life by ``attached(tokenizer)``.
     """
@@ -176,6 +179,10 @@ class DecodeSession:
         self.evicts_in_step = (self.scorer is not None and self.scorer.needs.slot_order_free and policy.interval == 1
                                and not policy.allocator.ragged_heads)
         self._compiled = compiled_decode_step(self.device.type) if compile else None
+        if compile and self.evicts_in_step and not self.scorer.needs.traceable:
+            _warn_once(f"{policy.name}: its scores cannot be traced into a compiled step (a host random "
+                       "generator); this session decodes eagerly")
+            self._compiled = None
 
     # ------------------------------------------------------------------ set-up
     @contextlib.contextmanager

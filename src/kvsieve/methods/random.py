@@ -24,7 +24,9 @@ class RandomScorer(Scorer):
     """
 
     about = About("uniform random scores (control)", "control baseline; no paper")
-    needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
+    # per-token scores: the engine may evict in place; the generator cannot be traced
+    # (torch._dynamo: "Failed to convert args/kwargs to proxy"), so compile=True decodes eagerly
+    needs = Needs(slot_order_free=True, traceable=False)
     seed: int = 0
     _gen: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 
