@@ -504,6 +504,32 @@ def test_cells_pair_with_random_at_their_budget_and_say_the_prompts_fate():
     assert [row[columns.index("prompt")] for row in table] == ["competes", "kept"]
 
 
+def test_spread_labels_moves_overlapping_labels_down_until_none_overlap():
+    """Label boxes (x0, y0, x1, y1): after the shifts no two overlap (checked pairwise here),
+    boxes only move down, the highest stays, boxes that overlap nothing stay, and two identical
+    boxes end one box height plus the gap apart."""
+    import random
+
+    from kvsieve.eval.plots import spread_labels
+
+    def overlap(a, b):
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    rng = random.Random(0)
+    for _ in range(50):
+        boxes = []
+        for _ in range(rng.randint(1, 15)):
+            x, y = rng.uniform(0, 100), rng.uniform(0, 100)
+            boxes.append((x, y, x + rng.uniform(10, 60), y + 8))
+        shifts = spread_labels(boxes, gap=1.0)
+        moved = [(x0, y0 - d, x1, y1 - d) for (x0, y0, x1, y1), d in zip(boxes, shifts)]
+        assert all(d >= 0 for d in shifts)
+        assert not any(overlap(a, b) for i, a in enumerate(moved) for b in moved[i + 1:])
+        assert shifts[max(range(len(boxes)), key=lambda i: boxes[i][3])] == 0  # the highest label stays
+        assert spread_labels(moved, gap=0.0) == [0.0] * len(moved)  # labels that do not overlap stay
+    assert spread_labels([(0, 0, 10, 8), (0, 0, 10, 8)], gap=1.0) == [0.0, 9.0]
+
+
 def test_pareto_front_keeps_cells_no_other_beats_on_memory_and_accuracy():
     from kvsieve.eval.plots import pareto_front
 

@@ -7,8 +7,9 @@
   per budget in large grids (the memory figure of LazyEviction: a full cache grows with the
   output, a budget does not).
 * ``accuracy_vs_peak_kv.png``: the Pareto view, accuracy (95% interval) against each cell's mean
-  peak KV MiB, every cell a point labelled ``method@budget``, with the cells no other cell beats
-  on both axes joined by a line (accuracy grids only).
+  peak KV MiB, every cell a point labelled ``method@budget`` (a colour per method, a marker per
+  prompt fate), with the cells no other cell beats on both axes joined by a line (accuracy grids
+  only).
 * ``generated_length.png``: distribution of generated lengths per cell, a panel per budget with
   ``full`` in each (compression often makes reasoning longer: SkipKV, Observation 3).
 """
@@ -31,9 +32,10 @@ def _pyplot():
 
 
 def _series_style(plt, i: int) -> dict:
-    """Colour and marker of the i-th series: 20 colours, and a marker that changes every 10, so
-    a grid with more methods than matplotlib's 10-colour cycle never draws two alike."""
-    return dict(color=plt.get_cmap("tab20")(i % 20), marker="os^Dv<>ph*"[(i // 10) % 10])
+    """Colour and marker of the i-th series: tab20's ten dark hues, then their light pairs (so
+    neighbours never differ by shade alone), and a marker that changes every 10, so a grid with
+    more methods than matplotlib's 10-colour cycle never draws two alike."""
+    return dict(color=plt.get_cmap("tab20")(2 * (i % 10) + (i // 10) % 2), marker="os^Dv<>ph*"[(i // 10) % 10])
 
 
 ONE_AXES_METHODS = 8  # more methods than this get a panel each: 20 lines on one axes cannot be told apart
@@ -234,35 +236,94 @@ def pareto_front(summaries: list[CellSummary]) -> list[CellSummary]:
     return front
 
 
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1
+
+
+def spread_labels(boxes: list[Box], gap: float = 1.0) -> list[float]:
+    """How far to move each label box down so that no two overlap: boxes are taken from the
+    highest, each kept where it is when it overlaps none placed so far, else moved just below
+    the lowest box it overlaps until it is free (display units, y up).  Returns the downward
+    shift of each box, in the input order (0 for a box that stays)."""
+    placed: list[Box] = []
+    shifts = [0.0] * len(boxes)
+    for i in sorted(range(len(boxes)), key=lambda i: -boxes[i][3]):
+        x0, y0, x1, y1 = boxes[i]
+        while True:
+            hits = [b for b in placed if x0 < b[2] and b[0] < x1 and y0 < b[3] + gap and b[1] - gap < y1]
+            if not hits:
+                break
+            drop = y1 - min(b[1] for b in hits) + gap
+            y0, y1 = y0 - drop, y1 - drop
+        shifts[i] = boxes[i][1] - y0
+        placed.append((x0, y0, x1, y1))
+    return shifts
+
+
+PROMPT_MARKERS = {"kept": ("s", "prompt kept"), "competes": ("o", "prompt competes"), "mixed": ("^", "prompt mixed"),
+                  None: ("D", "no budget")}
+
+
 def accuracy_vs_peak_kv(summaries: list[CellSummary], path: Path) -> Path:
-    """Accuracy against mean peak KV MiB, a point per cell (the same colour per method across
-    budgets), the Pareto front as a line."""
+    """Accuracy against mean peak KV MiB, a point per cell: a colour per method (its ``+protect``
+    and ``+competes`` cells share it), a marker per prompt fate, labels moved apart where they would
+    overlap (``spread_labels``, a thin line back to the point), the Pareto front as a line."""
     plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
     fig, ax = plt.subplots(figsize=(9, 5))
     cells = [s for s in summaries if s.accuracy is not None]
-    style = {method: i for i, method in enumerate(sorted({s.method for s in cells}))}
-    for method, i in style.items():
-        mine = [s for s in cells if s.method == method]
-        err = [[s.accuracy - s.ci_low for s in mine], [s.ci_high - s.accuracy for s in mine]]
-        ax.errorbar([s.peak_kv_mib for s in mine], [s.accuracy for s in mine], yerr=err, capsize=2, linestyle="none",
-                    alpha=0.8, label=method, **_series_style(plt, i))
-        for s in mine:
-            ax.annotate(s.label, (s.peak_kv_mib, s.accuracy), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    colour = {method: i for i, method in enumerate(sorted({s.method.split("+")[0] for s in cells}))}
+    for s in cells:
+        marker = PROMPT_MARKERS[s.prompt][0]
+        err = [[s.accuracy - s.ci_low], [s.ci_high - s.accuracy]]
+        ax.errorbar([s.peak_kv_mib], [s.accuracy], yerr=err, capsize=2, linestyle="none", alpha=0.8,
+                    **{**_series_style(plt, colour[s.method.split("+")[0]]), "marker": marker})
     front = pareto_front(cells)
     ax.plot([s.peak_kv_mib for s in front], [s.accuracy for s in front], color="black", alpha=0.4, linewidth=1,
-            label="Pareto front", drawstyle="steps-post")
+            drawstyle="steps-post")
     ax.set_xscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    if max(s.peak_kv_mib for s in cells) < 10 * min(s.peak_kv_mib for s in cells):  # within a decade: label 20, 30...
+        ax.xaxis.set_minor_formatter(plain)
     ax.set_xlabel("peak KV cache per sample (MiB, mean; log scale)")
     ax.set_ylabel("accuracy (95% Wilson CI)")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(max(0.0, min(s.ci_low for s in cells) - 0.05) - 0.02, min(1.0, max(s.ci_high for s in cells) + 0.05) + 0.02)
     ax.grid(alpha=0.3)
     ax.set_title("accuracy vs peak KV memory (up and left is better)")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    return _save(fig, plt, path)
-
-
-def _save(fig, plt, path: Path) -> Path:
+    # colours by method, markers by prompt fate (hollow, so no method's colour is read as a fate)
+    handles = [Line2D([], [], linestyle="none", label=method, **{**_series_style(plt, i), "marker": "o"})
+               for method, i in colour.items()]
+    fates = [fate for fate in PROMPT_MARKERS if any(s.prompt == fate for s in cells)]
+    handles += [Line2D([], [], linestyle="none", color="black", markerfacecolor="none", marker=PROMPT_MARKERS[fate][0],
+                       label=PROMPT_MARKERS[fate][1]) for fate in fates]
+    handles.append(Line2D([], [], color="black", alpha=0.4, linewidth=1, label="Pareto front"))
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
+    _label_points(fig, ax, cells)
+    return _save(fig, plt, path, layout=False)
+
+
+def _label_points(fig, ax, cells: list[CellSummary], offset: tuple[float, float] = (4, 3)) -> None:
+    """Each cell's ``method@budget`` beside its point, moved down (with a line back) where labels
+    would overlap; labels stay out of the layout, so placing them moves nothing else."""
+    renderer = fig.canvas.get_renderer()
+    drafts = [ax.annotate(s.label, (s.peak_kv_mib, s.accuracy), fontsize=6, xytext=offset, textcoords="offset points")
+              for s in cells]
+    boxes = [tuple(t.get_window_extent(renderer).extents) for t in drafts]
+    for draft in drafts:
+        draft.remove()
+    points_per_pixel = 72 / fig.dpi
+    for s, shift in zip(cells, spread_labels(boxes)):
+        line = dict(arrowstyle="-", color="grey", alpha=0.5, linewidth=0.5, shrinkA=0, shrinkB=2) if shift else None
+        text = ax.annotate(s.label, (s.peak_kv_mib, s.accuracy), fontsize=6, textcoords="offset points",
+                           xytext=(offset[0], offset[1] - shift * points_per_pixel), arrowprops=line)
+        text.set_in_layout(False)
+
+def _save(fig, plt, path: Path, layout: bool = True) -> Path:
+    if layout:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
