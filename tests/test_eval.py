@@ -530,6 +530,29 @@ def test_spread_labels_moves_overlapping_labels_down_until_none_overlap():
     assert spread_labels([(0, 0, 10, 8), (0, 0, 10, 8)], gap=1.0) == [0.0, 9.0]
 
 
+def test_a_one_budget_grid_of_many_methods_is_drawn_as_its_cells_ranked(tmp_path):
+    """accuracy_vs_budget of one budget and more methods than ONE_AXES_METHODS: a row per cell,
+    best first, named with its prompt fate (a panel per method would show one point each)."""
+    from kvsieve.eval.plots import ONE_AXES_METHODS, _pyplot, accuracy_vs_budget, ranked_figure
+
+    right = {f"m{k}": k for k in range(ONE_AXES_METHODS + 1)}  # m_k right on its first k of 10 samples
+    rows = [{"id": str(i), "method": m, "budget": 64, "correct": i < k, "kv_heads": 1, "prompt_tokens": 5,
+             "settings": {"protect_prompt": k % 2 == 0}} for m, k in right.items() for i in range(10)]
+    rows += [{"id": str(i), "method": "full", "budget": None, "correct": i < 7} for i in range(10)]
+    for r in rows:
+        r.update(peak_kv_bytes=1000, peak_kv_tokens=10, generated_tokens=5, tokens_per_s=1.0)
+    summaries = summarize(rows)
+    plt = _pyplot()
+    fig, ax = ranked_figure(plt, summaries, 64)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    plt.close(fig)
+    expected = sorted([(7, "full")] + [(k, f"m{k}@64 ({'kept' if k % 2 == 0 else 'competes'})") for k in right.values()],
+                      key=lambda kv: -kv[0])
+    assert labels == [label for _, label in expected]
+    png = accuracy_vs_budget(summaries, tmp_path / "a.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_pareto_front_keeps_cells_no_other_beats_on_memory_and_accuracy():
     from kvsieve.eval.plots import pareto_front
 

@@ -2,7 +2,8 @@
 
 * ``accuracy_vs_budget.png``: accuracy (or perplexity) against the KV budget, one line per
   method with 95% intervals (a small panel per method, best first, for grids of more than
-  ``ONE_AXES_METHODS``); ``full`` as a horizontal band.
+  ``ONE_AXES_METHODS``); ``full`` as a horizontal band.  A grid of one budget and more methods
+  than that gets the cells ranked instead (``cells_ranked``): a row per cell, best first.
 * ``kv_memory_vs_length.png``: peak KV memory against sequence length, one series per cell, or
   per budget in large grids (the memory figure of LazyEviction: a full cache grows with the
   output, a budget does not).
@@ -38,6 +39,22 @@ def _series_style(plt, i: int) -> dict:
     return dict(color=plt.get_cmap("tab20")(2 * (i % 10) + (i // 10) % 2), marker="os^Dv<>ph*"[(i // 10) % 10])
 
 
+PROMPT_MARKERS = {"kept": ("s", "prompt kept"), "competes": ("o", "prompt competes"), "mixed": ("^", "prompt mixed"),
+                  None: ("D", "no budget")}
+
+
+def base_method(s: CellSummary) -> str:
+    """The method without its cell tag: ``lazy+protect`` and ``lazy`` are one method, two cells."""
+    return s.method.split("+")[0]
+
+
+def cell_styles(plt, cells: list[CellSummary]) -> tuple[dict[str, int], Any]:
+    """For plots of cells: the colour index of each method (``base_method``), and a function
+    giving a cell its colour and its prompt fate's marker."""
+    colour = {method: i for i, method in enumerate(sorted({base_method(s) for s in cells}))}
+    return colour, lambda s: {**_series_style(plt, colour[base_method(s)]), "marker": PROMPT_MARKERS[s.prompt][0]}
+
+
 ONE_AXES_METHODS = 8  # more methods than this get a panel each: 20 lines on one axes cannot be told apart
 
 
@@ -69,6 +86,8 @@ def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
     budgets = sorted({s.budget for s in summaries if s.budget is not None})
     series = _budget_series(summaries)
     references = [s for s in summaries if s.budget is None and (s.perplexity if use_ppl else s.accuracy) is not None]
+    if len(budgets) == 1 and not use_ppl and len(series) > ONE_AXES_METHODS:
+        return cells_ranked(summaries, budgets[0], path)
     plan = panel_methods(summaries)
     if len(plan) == 1:
         fig, ax = plt.subplots(figsize=(8.5, 4.5))
@@ -103,6 +122,36 @@ def accuracy_vs_budget(summaries: list[CellSummary], path: Path) -> Path:
         ax.set_ylabel("perplexity" if use_ppl else "accuracy (95% Wilson CI)")
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside the axes, never over a point
     return _save(fig, plt, path)
+
+
+def cells_ranked(summaries: list[CellSummary], budget: int, path: Path) -> Path:
+    """A grid of one budget and many methods: a row per graded cell, best first, its accuracy and
+    95% interval along x (``full``'s as a dashed line and band), a marker per prompt fate as in
+    ``accuracy_vs_peak_kv``; panels of one point each would say less."""
+    plt = _pyplot()
+    fig, _ = ranked_figure(plt, summaries, budget)
+    return _save(fig, plt, path)
+
+
+def ranked_figure(plt, summaries: list[CellSummary], budget: int):
+    """``cells_ranked``'s figure and axes (its y tick labels name the cells, best first)."""
+    cells = sorted((s for s in summaries if s.accuracy is not None), key=lambda s: -s.accuracy)  # stable: ties in cell_order
+    fig, ax = plt.subplots(figsize=(7.5, 0.28 * len(cells) + 1.4))
+    _, style = cell_styles(plt, cells)
+    for row, s in enumerate(cells):
+        if s.method == "full":
+            ax.axvline(s.accuracy, linestyle="--", color="black", linewidth=1)
+            ax.axvspan(s.ci_low, s.ci_high, color="black", alpha=0.07)
+        err = [[s.accuracy - s.ci_low], [s.ci_high - s.accuracy]]
+        ax.errorbar([s.accuracy], [row], xerr=err, capsize=2, linestyle="none", **style(s))
+    ax.set_yticks(range(len(cells)), [s.label + ("" if s.prompt is None else f" ({s.prompt})") for s in cells],
+                  fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(max(0.0, min(s.ci_low for s in cells) - 0.05), min(1.0, max(s.ci_high for s in cells) + 0.05))
+    ax.set_xlabel("accuracy (95% Wilson CI)")
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(f"accuracy per cell at budget {budget}, best first (dashed and shaded: full)", fontsize=10)
+    return fig, ax
 
 
 def _draw_references(ax, references: list[CellSummary], use_ppl: bool) -> None:
@@ -259,9 +308,6 @@ def spread_labels(boxes: list[Box], gap: float = 1.0) -> list[float]:
     return shifts
 
 
-PROMPT_MARKERS = {"kept": ("s", "prompt kept"), "competes": ("o", "prompt competes"), "mixed": ("^", "prompt mixed"),
-                  None: ("D", "no budget")}
-
 
 def accuracy_vs_peak_kv(summaries: list[CellSummary], path: Path) -> Path:
     """Accuracy against mean peak KV MiB, a point per cell: a colour per method (its ``+protect``
@@ -273,12 +319,10 @@ def accuracy_vs_peak_kv(summaries: list[CellSummary], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     cells = [s for s in summaries if s.accuracy is not None]
-    colour = {method: i for i, method in enumerate(sorted({s.method.split("+")[0] for s in cells}))}
+    colour, style = cell_styles(plt, cells)
     for s in cells:
-        marker = PROMPT_MARKERS[s.prompt][0]
         err = [[s.accuracy - s.ci_low], [s.ci_high - s.accuracy]]
-        ax.errorbar([s.peak_kv_mib], [s.accuracy], yerr=err, capsize=2, linestyle="none", alpha=0.8,
-                    **{**_series_style(plt, colour[s.method.split("+")[0]]), "marker": marker})
+        ax.errorbar([s.peak_kv_mib], [s.accuracy], yerr=err, capsize=2, linestyle="none", alpha=0.8, **style(s))
     front = pareto_front(cells)
     ax.plot([s.peak_kv_mib for s in front], [s.accuracy for s in front], color="black", alpha=0.4, linewidth=1,
             drawstyle="steps-post")
