@@ -44,6 +44,12 @@ def test_middle_retention_and_profile():
     assert np.isnan(r.middle_retention([0], 1))  # no middle third
 
 
+def test_prompt_retention_is_the_kept_share_of_the_prompt_positions():
+    assert r.prompt_retention([0, 2, 7, 9], 4) == pytest.approx(2 / 4)  # 0 and 2 of [0, 4)
+    assert r.prompt_retention(range(10), 4) == 1.0 and r.prompt_retention([5, 6], 4) == 0.0
+    assert np.isnan(r.prompt_retention([0], 0))
+
+
 def test_ngram_repetition_rate():
     assert r.ngram_repetition("a b c a b c".split(), n=2) == pytest.approx(1 - 3 / 5)
     assert r.ngram_repetition([1, 2, 3], n=4) == 0.0 and r.ngram_repetition([7] * 6, n=2) == pytest.approx(0.8)
@@ -70,6 +76,14 @@ def test_trace_diagnostics_per_event_and_summary():
     assert s["events"] == 2 and s["records"] == 4
     assert s["wipeout_rate"] == pytest.approx(2 / (3 + 4 + 3 + 5))  # head 1 wipes nothing
     assert s["iou"] == pytest.approx((3 / 4 + 1) / 2)
+    assert np.isnan(s["prompt_retention"])  # no prompt length given
+    # a 4-token prompt: head 0 keeps {0, 1} of it at both events, head 1 all of it
+    s = r.trace_diagnostics(hand_trace(), region=4, max_gap=1, prompt=4)["summary"]
+    assert s["prompt_retention"] == pytest.approx((2 / 4 + 2 / 4 + 1 + 1) / 4)
+    assert s["prompt_retention_last"] == pytest.approx((2 / 4 + 1) / 2)
+    s = r.trace_diagnostics(hand_trace(), region=4, max_gap=1, prompt=10)["summary"]
+    # [0, 10): head 0 keeps {0, 1, 8, 9} then {0, 1, 8}; head 1 everything
+    assert s["prompt_retention_last"] == pytest.approx((3 / 10 + 1) / 2)
 
 
 def test_cli_prints_trace_and_results_diagnostics(tmp_path):
@@ -97,3 +111,4 @@ def test_cli_prints_trace_and_results_diagnostics(tmp_path):
     assert "tova @ 64" in out.output
     rep = 100 * np.mean([1 - 4 / 7, 0.0])
     assert f"{rep:.3g}" in out.output
+    assert "prompt kept" in out.output and "0.75" in out.output  # the demo trace's 4-token prompt, last events

@@ -101,18 +101,20 @@ def register_retention(app) -> None:
 
         table = Table(title="retention diagnostics (definitions: kvsieve.analysis.retention)")
         for col in ("run", "method", "events", "wipe-out %", "IoU", "span IoU", "#segs", "seg len",
-                    "middle kept", f"{ngram}-gram rep. %", "gen. tokens"):
+                    "middle kept", "prompt kept", "prompt kept (last)", f"{ngram}-gram rep. %", "gen. tokens"):
             table.add_column(col)
         fmt = lambda x, scale=1.0: "-" if x is None or np.isnan(x) else f"{scale * x:.3g}"  # noqa: E731
         for path in paths:
             if path.suffix == ".npz":
                 trace = Trace.load(path)
-                start = int(trace.meta.get("prompt_tokens", 0)) if generated_only else 0
-                s = trace_diagnostics(trace, region, max_gap, start)["summary"]
+                prompt = int(trace.meta.get("prompt_tokens", 0))
+                s = trace_diagnostics(trace, region, max_gap, prompt if generated_only else 0, prompt)["summary"]
                 rep = ngram_repetition(str(trace.meta.get("text", "")).split(), ngram)
-                table.add_row(path.name, str(trace.meta.get("method", "?")), str(s["events"]),
+                run = f"{path.parent.name}/{path.name}" if path.name == "trace.npz" else path.name  # analyze trace's out dir
+                table.add_row(run, str(trace.meta.get("method", "?")), str(s["events"]),
                               fmt(s["wipeout_rate"], 100), fmt(s["iou"]), fmt(s["span_iou"]), fmt(s["segments"]),
-                              fmt(s["segment_length"]), fmt(s["middle_retention"]), fmt(rep, 100),
+                              fmt(s["segment_length"]), fmt(s["middle_retention"]), fmt(s["prompt_retention"]),
+                              fmt(s["prompt_retention_last"]), fmt(rep, 100),
                               str(trace.meta.get("generated_tokens", "-")))
                 continue
             try:
@@ -120,7 +122,7 @@ def register_retention(app) -> None:
             except (OSError, ValueError) as err:
                 raise typer.BadParameter(f"{path}: {err}") from None
             for (method, budget), s in sorted(results_repetition(rows, ngram).items(), key=str):
-                table.add_row(path.name, f"{method} @ {budget}", "-", "-", "-", "-", "-", "-", "-",
+                table.add_row(path.name, f"{method} @ {budget}", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                               fmt(s["repetition"], 100), f"{s['generated_tokens']:.0f}")
         Console().print(table)
 

@@ -26,6 +26,10 @@ positions ``K_e`` (a trace from ``kvsieve.analysis.trace``)::
 * **Middle-context retention** (Fig. 4a): the share of the positions of the middle third of
   [start, n_e) kept at event e (``start`` 0: the whole context; the prompt length: the
   generated reasoning only); ``retention_profile`` gives the kept share per equal-width bin.
+* **Prompt retention** (kvsieve's, for the grid's prompt question, not the paper's): the share
+  of the prompt's positions [0, prompt length) kept at event e; the summary is its mean over
+  events, layers and heads, and ``prompt_retention_last`` the mean over layers and heads at
+  each row's last event.
 * **N-gram repetition rate** (Table 9, Fig. 4b): for a token list of length L, the share of
   its L - n + 1 n-grams that repeat an earlier n-gram of the same list,
   ``1 - distinct / total`` (0 when L < n).  Computed on generated token ids when a record has
@@ -115,6 +119,14 @@ def middle_retention(kept, n: int, start: int = 0) -> float:
     return float(((kept >= lo) & (kept < hi)).sum() / (hi - lo))
 
 
+def prompt_retention(kept, prompt: int) -> float:
+    """Share of the prompt's positions [0, prompt) that are kept (NaN without a prompt)."""
+    if prompt <= 0:
+        return float("nan")
+    kept = _positions(kept)
+    return float((kept < prompt).sum() / prompt)
+
+
 def ngram_repetition(tokens: Sequence, n: int = 4) -> float:
     """Share of the n-grams of ``tokens`` that repeat an earlier one: 1 - distinct / total."""
     if n < 1:
@@ -123,8 +135,9 @@ def ngram_repetition(tokens: Sequence, n: int = 4) -> float:
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
-def trace_diagnostics(trace, region: int = 32, max_gap: int = 4, start: int = 0) -> dict[str, Any]:
-    """Per-event records and the run summary of a ``Trace`` (module docstring)."""
+def trace_diagnostics(trace, region: int = 32, max_gap: int = 4, start: int = 0, prompt: int = 0) -> dict[str, Any]:
+    """Per-event records and the run summary of a ``Trace`` (module docstring); ``prompt`` is the
+    prompt's length in tokens (0: no prompt retention)."""
     series = defaultdict(list)  # (row, layer, head) -> [(n_e, K_e)] in event order
     for layer, row, seen, head, kept in zip(trace.layer, trace.row, trace.seen, trace.head, trace.kept):
         series[(row, layer, head)].append((int(seen), _positions(kept)))
@@ -140,21 +153,24 @@ def trace_diagnostics(trace, region: int = 32, max_gap: int = 4, start: int = 0)
             record = {"row": row, "layer": layer, "head": head, "seen": n, "kept": int(kept.size),
                       "wiped_regions": w, "present_regions": p, "segments": len(runs),
                       "segment_length": float((runs[:, 1] - runs[:, 0] + 1).mean()) if len(runs) else 0.0,
-                      "middle_retention": middle_retention(kept, n, start)}
+                      "middle_retention": middle_retention(kept, n, start),
+                      "prompt_retention": prompt_retention(kept, prompt), "last": index == len(items) - 1}
             if index:
                 record["iou"] = retained_iou(prev, kept, prev_n)
                 record["span_iou"] = span_iou(prev, kept, prev_n, max_gap)
             events.append(record)
             prev_n, prev = n, kept
 
-    def mean(key):
-        values = [e[key] for e in events if key in e and not np.isnan(e[key])]
+    def mean(key, among=events):
+        values = [e[key] for e in among if key in e and not np.isnan(e[key])]
         return float(np.mean(values)) if values else float("nan")
 
     summary = {"events": len({(e["row"], e["seen"]) for e in events}), "records": len(events),
                "wipeout_rate": wiped / present if present else float("nan"), "iou": mean("iou"),
                "span_iou": mean("span_iou"), "segments": mean("segments"),
-               "segment_length": mean("segment_length"), "middle_retention": mean("middle_retention")}
+               "segment_length": mean("segment_length"), "middle_retention": mean("middle_retention"),
+               "prompt_retention": mean("prompt_retention"),
+               "prompt_retention_last": mean("prompt_retention", [e for e in events if e["last"]])}
     return {"events": events, "summary": summary}
 
 
