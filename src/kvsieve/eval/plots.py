@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .report import CellSummary, cell_order
 
@@ -48,7 +48,7 @@ def base_method(s: CellSummary) -> str:
     return s.method.split("+")[0]
 
 
-def cell_styles(plt, cells: list[CellSummary]) -> tuple[dict[str, int], Any]:
+def cell_styles(plt, cells: list[CellSummary]) -> tuple[dict[str, int], Callable[[CellSummary], dict]]:
     """For plots of cells: the colour index of each method (``base_method``), and a function
     giving a cell its colour and its prompt fate's marker."""
     colour = {method: i for i, method in enumerate(sorted({base_method(s) for s in cells}))}
