@@ -157,6 +157,11 @@ case ${1:-run} in
     echo "started (pid $!); follow it with: tail -f $GRID/grid.log" ;;
   status)
     if pgrep -f "accuracy_grid.sh run" > /dev/null; then echo "running (log: $GRID/grid.log)"; else echo "not running"; fi
+    for pid in $(pgrep -f "kvsieve.eval eval"); do  # a results file removed under a running grid takes its rows with it
+      if ls -l "/proc/$pid/fd" 2>/dev/null | grep -q "results.*(deleted)"; then
+        echo "WARNING: eval $pid writes to a deleted results file (stashed or cleaned?): copy /proc/$pid/fd/N back before it ends"
+      fi
+    done
     for s in 1 2 3 4 5; do
       # shellcheck disable=SC2046  # stage_args is a word list
       "$PYTHON" - "$s" $(stage_args "$s") <<'PY'
