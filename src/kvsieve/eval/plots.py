@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from .report import CellSummary, cell_order
+from .report import CellSummary, by_accuracy, cell_order
 
 
 def _pyplot():
@@ -53,6 +53,11 @@ def cell_styles(plt, cells: list[CellSummary]) -> tuple[dict[str, int], Callable
     giving a cell its colour and its prompt fate's marker."""
     colour = {method: i for i, method in enumerate(sorted({base_method(s) for s in cells}))}
     return colour, lambda s: {**_series_style(plt, colour[base_method(s)]), "marker": PROMPT_MARKERS[s.prompt][0]}
+
+
+def accuracy_span(cells: list[CellSummary], pad: float = 0.05) -> tuple[float, float]:
+    """Axis limits that hold every cell's 95% interval with ``pad`` to spare, within [0, 1]."""
+    return max(0.0, min(s.ci_low for s in cells) - pad), min(1.0, max(s.ci_high for s in cells) + pad)
 
 
 ONE_AXES_METHODS = 8  # more methods than this get a panel each: 20 lines on one axes cannot be told apart
@@ -135,7 +140,7 @@ def cells_ranked(summaries: list[CellSummary], budget: int, path: Path) -> Path:
 
 def ranked_figure(plt, summaries: list[CellSummary], budget: int):
     """``cells_ranked``'s figure and axes (its y tick labels name the cells, best first)."""
-    cells = sorted((s for s in summaries if s.accuracy is not None), key=lambda s: -s.accuracy)  # stable: ties in cell_order
+    cells = by_accuracy(summaries)
     fig, ax = plt.subplots(figsize=(7.5, 0.28 * len(cells) + 1.4))
     _, style = cell_styles(plt, cells)
     for row, s in enumerate(cells):
@@ -147,7 +152,7 @@ def ranked_figure(plt, summaries: list[CellSummary], budget: int):
     ax.set_yticks(range(len(cells)), [s.label + ("" if s.prompt is None else f" ({s.prompt})") for s in cells],
                   fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(max(0.0, min(s.ci_low for s in cells) - 0.05), min(1.0, max(s.ci_high for s in cells) + 0.05))
+    ax.set_xlim(*accuracy_span(cells))
     ax.set_xlabel("accuracy (95% Wilson CI)")
     ax.grid(alpha=0.3, axis="x")
     ax.set_title(f"accuracy per cell at budget {budget}, best first (dashed and shaded: full)", fontsize=10)
@@ -308,7 +313,6 @@ def spread_labels(boxes: list[Box], gap: float = 1.0) -> list[float]:
     return shifts
 
 
-
 def accuracy_vs_peak_kv(summaries: list[CellSummary], path: Path) -> Path:
     """Accuracy against mean peak KV MiB, a point per cell: a colour per method (its ``+protect``
     and ``+competes`` cells share it), a marker per prompt fate, labels moved apart where they would
@@ -333,7 +337,8 @@ def accuracy_vs_peak_kv(summaries: list[CellSummary], path: Path) -> Path:
         ax.xaxis.set_minor_formatter(plain)
     ax.set_xlabel("peak KV cache per sample (MiB, mean; log scale)")
     ax.set_ylabel("accuracy (95% Wilson CI)")
-    ax.set_ylim(max(0.0, min(s.ci_low for s in cells) - 0.05) - 0.02, min(1.0, max(s.ci_high for s in cells) + 0.05) + 0.02)
+    low, high = accuracy_span(cells)
+    ax.set_ylim(low - 0.02, high + 0.02)
     ax.grid(alpha=0.3)
     ax.set_title("accuracy vs peak KV memory (up and left is better)")
     # colours by method, markers by prompt fate (hollow, so no method's colour is read as a fate)
@@ -364,6 +369,7 @@ def _label_points(fig, ax, cells: list[CellSummary], offset: tuple[float, float]
         text = ax.annotate(s.label, (s.peak_kv_mib, s.accuracy), fontsize=6, textcoords="offset points",
                            xytext=(offset[0], offset[1] - shift * points_per_pixel), arrowprops=line)
         text.set_in_layout(False)
+
 
 def _save(fig, plt, path: Path, layout: bool = True) -> Path:
     if layout:

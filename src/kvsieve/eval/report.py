@@ -365,6 +365,11 @@ def side_by_side_table(summaries: list[CellSummary]) -> str | None:
     return "\n".join(lines)
 
 
+def by_accuracy(summaries: list[CellSummary]) -> list[CellSummary]:
+    """The graded cells, best first (a stable sort: ties keep ``summarize``'s cell order)."""
+    return sorted((s for s in summaries if s.accuracy is not None), key=lambda s: -s.accuracy)
+
+
 PAIRWISE_MAX_CELLS = 20  # beyond this a cell-by-cell matrix is too wide to read
 
 
@@ -375,7 +380,7 @@ def pairwise_table(rows: list[dict[str, Any]], summaries: list[CellSummary],
     samples, the reverse on ``b``, and the exact McNemar p of that split (bold below 0.05).
     Cells sorted by accuracy, best first.  None for fewer than two graded cells or more than
     ``max_cells``."""
-    order = sorted((s for s in summaries if s.accuracy is not None), key=lambda s: -s.accuracy)  # stable: ties in cell_order
+    order = by_accuracy(summaries)
     if not 2 <= len(order) <= max_cells:
         return None
     graded: dict[tuple[str, int | None], dict[str, dict[str, Any]]] = {}
