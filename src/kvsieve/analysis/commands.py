@@ -100,8 +100,9 @@ def register_retention(app) -> None:
         from .trace import Trace
 
         table = Table(title="retention diagnostics (definitions: kvsieve.analysis.retention)")
-        for col in ("run", "method", "events", "wipe-out %", "IoU", "span IoU", "#segs", "seg len",
-                    "middle kept", "prompt kept", "prompt kept (last)", f"{ngram}-gram rep. %", "gen. tokens"):
+        trace_only = ("events", "wipe-out %", "IoU", "span IoU", "#segs", "seg len", "middle kept", "prompt kept",
+                      "prompt kept (last)")  # a results.jsonl has no eviction events: "-" in these
+        for col in ("run", "method", *trace_only, f"{ngram}-gram rep. %", "gen. tokens"):
             table.add_column(col)
         fmt = lambda x, scale=1.0: "-" if x is None or np.isnan(x) else f"{scale * x:.3g}"  # noqa: E731
         for path in paths:
@@ -122,7 +123,7 @@ def register_retention(app) -> None:
             except (OSError, ValueError) as err:
                 raise typer.BadParameter(f"{path}: {err}") from None
             for (method, budget), s in sorted(results_repetition(rows, ngram).items(), key=str):
-                table.add_row(path.name, f"{method} @ {budget}", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                table.add_row(path.name, f"{method} @ {budget}", *["-"] * len(trace_only),
                               fmt(s["repetition"], 100), f"{s['generated_tokens']:.0f}")
         Console().print(table)
 
