@@ -60,9 +60,9 @@ THREADS=${THREADS:-2}
 
 # The order of --methods is the order cells run in, and changes nothing else (run.json's settings are a
 # mapping): rkv first after full (stage 4's TriAttention is reported beside it, its paper's baseline),
-# random before the other baselines (the control every cell is paired with), at stage 1 the
-# prompt-protected cells before h2o and expected (the README's "when to protect the prompt"), and at
-# stage 2 after them (the issue's 11 methods first; the protected cells extend what stage 1 found)
+# random before the other baselines (the control every cell is paired with), and at both stages the
+# prompt-protected cells before h2o and expected (the README's "when to protect the prompt"; stage 2
+# ran them after h2o and expected until 2026-11-26, when the answer waited on them)
 CORE=full,rkv,lazy,ams:tova,skipkv,caote:tova,lagkv,tova,random
 BASELINES=h2o,expected
 SEED_PROTECTED=lazy+protect,ams:tova+protect,skipkv+protect,caote:tova+protect
@@ -82,7 +82,7 @@ stage_args() {  # stage -> its eval arguments
     1) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
              --methods $CORE,$PROTECTED,$BASELINES $BASE_SET $PROTECT_SET --out $GRID/stage1-gsm8k-b128" ;;
     2) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
-             --max-new-tokens 768 --methods $CORE,$BASELINES,$SEED_PROTECTED $MATH_SET --out $GRID/stage2-math500-b256" ;;
+             --max-new-tokens 768 --methods $CORE,$SEED_PROTECTED,$BASELINES $MATH_SET --out $GRID/stage2-math500-b256" ;;
     3) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 64 --max-new-tokens 512
              --methods full,lazy,ams:tova,skipkv,caote:tova,lagkv,random $LAGKV_SET --out $GRID/stage3-gsm8k-b64" ;;
     4) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
