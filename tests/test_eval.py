@@ -58,6 +58,19 @@ def test_cells_run_full_once_first():
     assert config.cells() == [("full", None), ("tova", 256), ("tova", 128), ("h2o", 256), ("h2o", 128)]
 
 
+def test_reference_limit_runs_full_on_the_first_samples_only():
+    from kvsieve.data import Sample
+    from kvsieve.eval.runner import pending_work
+
+    samples = [Sample(id=str(i), messages=[{"role": "user", "content": "q"}], reference="1", grader="gsm8k")
+               for i in range(5)]
+    config = EvalConfig(model="m", dataset="gsm8k", out="unused", methods=("tova",), budgets=(64,), reference_limit=2)
+    work = {cell: [s.id for s in pending] for cell, pending in pending_work(config, samples, {("0", "full", None)})}
+    assert work == {("full", None): ["1"], ("tova", 64): ["0", "1", "2", "3", "4"]}
+    with pytest.raises(ValueError, match="reference_limit must be >= 1"):
+        EvalConfig(model="m", dataset="gsm8k", out="unused", reference_limit=0)
+
+
 def test_cells_take_wrappers_and_budget_fitted_methods():
     config = EvalConfig(model="m", dataset="gsm8k", out="x", methods=("caote:tova", "lagkv"), budgets=(64,))
     assert config.cells() == [("full", None), ("caote:tova", 64), ("lagkv", 64)]
