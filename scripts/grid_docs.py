@@ -147,6 +147,7 @@ FIELDS = {
     "gen": lambda r, f: f"{float(r['mean_generated_tokens']):.0f}",
     "cap": lambda r, f: r["at_cap"],
     "over": lambda r, f: r["over_bound"],
+    "toks": lambda r, f: f"{float(r['tokens_per_s']):.1f}",
     "peak": lambda r, f: f"{float(r['peak_live_tokens_per_head']):.0f}",
     "mib": lambda r, f: f"{float(r['peak_kv_mib']):.1f}",
     "xfull": lambda r, f: f"{float(r['peak_kv_mib']) / float(f['peak_kv_mib']):.2f}x",
