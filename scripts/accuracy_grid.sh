@@ -144,7 +144,8 @@ report_stage() {  # stage dir, the dir whose cells join it (or ""), report args
   local dir=$1 joined=$2 join=()
   shift 2
   [[ -d $dir ]] || return 0
-  [[ -n $joined && -d $joined ]] && join=(--join "$joined")
+  # a joined stage that has not written a row yet (stage 5 before it runs) is left out
+  [[ -n $joined ]] && compgen -G "$joined/results*.jsonl" > /dev/null && join=(--join "$joined")
   "$PYTHON" -m kvsieve.eval report "$dir" "${join[@]}" "$@"
 }
 
@@ -192,7 +193,9 @@ PY
     shift || true
     report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention" "$@"
     report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention" "$@"
-    report_stage "$GRID/stage3-gsm8k-b64" "" "$@" ;;
+    report_stage "$GRID/stage3-gsm8k-b64" "" "$@"
+    # the README's and docs/results.md's tables and figures, from the new summary.csv and report.md
+    "$PYTHON" scripts/grid_docs.py ;;
   *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status | report [ARG..]" >&2
      exit 2 ;;
 esac
