@@ -36,7 +36,7 @@
 #      stage 2's report. Run after stage 2: scripts/accuracy_grid.sh start 1 2 5
 #   6  Issue 51's official defaults at stage 1's problems, budget and length, from their own pin
 #      (PIN-official): R-KV as its official code runs it (prompt compressed at prefill and competing,
-#      lambda 0.07, the group max of logits over the keys before the window); full on 10 samples only
+#      lambda 0.07, the group max of logits over the keys before the window), labelled rkv+official; full on 10 samples only
 #      (--reference-limit: the report joins these rows to stage 1's, whose full is the reference, and
 #      checks that full decodes the same 10 texts at both pins); rows stop at an invented next turn
 #   7  the same at stage 2's problems, budget and length (joins stage 2's report)
@@ -83,6 +83,11 @@ PROTECT_SET="$SEED_PROTECT_SET --set rkv+competes.protect_prompt=false"
 MATH_SET="--set tova.prefill_block=true --set lazy.window=52 --set lazy+protect.window=52 --set h2o.recent=52
           $LAGKV_SET $SEED_PROTECT_SET"
 
+# Issue 51's R-KV defaults, spelled out so that run.json names them (rkv and rkv+competes of stages 1 and 2
+# ran R-KV's defaults before issue 51: prompt kept, lambda 0.1, the group mean of probabilities over all keys)
+OFFICIAL_SET="--set rkv+official.protect_prompt=false --set rkv+official.mix_lambda=0.07
+              --set rkv+official.head_reduction=max-logits --set rkv+official.window_keys=false"
+
 stage_args() {  # stage -> its eval arguments
   case $1 in
     1) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
@@ -98,9 +103,10 @@ stage_args() {  # stage -> its eval arguments
              --max-new-tokens 768 --methods triattention --set triattention.stats=$TRI_STATS
              --out $GRID/stage5-math500-b256-triattention" ;;
     6) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
-             --methods rkv --reference-limit 10 --out $GRID/stage6-gsm8k-b128-official" ;;
+             --methods rkv+official $OFFICIAL_SET --reference-limit 10 --out $GRID/stage6-gsm8k-b128-official" ;;
     7) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
-             --max-new-tokens 768 --methods rkv --reference-limit 10 --out $GRID/stage7-math500-b256-official" ;;
+             --max-new-tokens 768 --methods rkv+official $OFFICIAL_SET --reference-limit 10
+             --out $GRID/stage7-math500-b256-official" ;;
     *) echo "unknown stage $1 (1 to 7)" >&2; return 1 ;;
   esac
 }
