@@ -246,3 +246,14 @@ def test_report_flags_a_cell_whose_peak_exceeds_one_and_a_half_budgets():
         "full": "-", "tova": "OVER 1/2", "h2o": "ok", "snapkv": "unknown", "rkv": "ok"}
     columns, cells = table_rows(list(summaries.values()))
     assert {row[0]: row[columns.index("bound")] for row in cells}["tova"] == "OVER 1/2"
+
+
+def test_kvsieve_methods_says_what_each_budget_holds():
+    """Issue 51: `kvsieve methods` shows each method's prompt handling, its window and what its budget counts."""
+    rows = {r["name"]: r.get("budget") for r in describe_methods()}
+    assert rows["rkv"].startswith("prompt competes, compressed at prefill; the budget holds every token")
+    assert "recent window: its observation window" in rows["rkv"]
+    assert rows["lazy"].startswith("prompt competes from the first decode compression")
+    assert rows["lagkv"].startswith("no budget")
+    assert rows["streaming"].endswith("4 sinks")
+    assert all(rows[name] for name in SCORERS)
