@@ -12,6 +12,14 @@ from typing import Optional
 
 DEFAULT_DATASET = Path("../shared/data/gsm8k_train.jsonl")  # relative to the repository root, as every data default
 PROMPT_FIELDS = ("question", "problem", "prompt")  # GSM8K, MATH-500 / AIME24, AIME25
+# TriAttention's calibration size (``kvsieve calibrate triattention``, ``kvsieve.analysis.qk.calibrate``):
+# 4,096 tokens in chunks of 1,024, a CPU's budget.
+# deviation: the official calibration (scripts/calibrate.py, --max-length 32768) feeds one pass of up to
+# OFFICIAL_CALIBRATION_TOKENS; what the smaller size changes in the key ranking is measured with
+# scripts/triattention_calibration_size.py in docs/triattention-calibration.md.
+CALIBRATION_TOKENS = 4096
+CALIBRATION_CHUNK = 1024
+OFFICIAL_CALIBRATION_TOKENS = 32768
 
 
 def register_mri(app) -> None:
@@ -154,8 +162,10 @@ def register_calibrate(app) -> None:
         model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
         data: Path = typer.Option(DEFAULT_DATASET, help="Plain text file, or JSONL (question/answer/text fields)."),
         out: Path = typer.Option(Path("triattention-stats.pt"), help="Statistics file (stats=FILE of triattention)."),
-        tokens: int = typer.Option(4096, help="Tokens of the data to run through the model."),
-        chunk: int = typer.Option(1024, help="Tokens per forward pass (each chunk starts at position 0)."),
+        tokens: int = typer.Option(CALIBRATION_TOKENS, help="Tokens of the data to run through the model (the official "
+                                   f"code: one pass of up to {OFFICIAL_CALIBRATION_TOKENS:,}; "
+                                   "docs/triattention-calibration.md)."),
+        chunk: int = typer.Option(CALIBRATION_CHUNK, help="Tokens per forward pass (each chunk starts at position 0)."),
         device: str = typer.Option("auto"),
         dtype: str = typer.Option("auto"),
     ):

@@ -10,7 +10,8 @@ RoPE frequencies and fingerprint.
 
 # deviation: the official calibration (scripts/calibrate.py) runs one forward pass over a long
 # text (up to 32,768 tokens, bf16); here the text is cut into chunks of ``chunk`` tokens (1,024
-# by default, 4,096 in all: a CPU's budget), each run alone from position 0, in the model's dtype.
+# by default, 4,096 in all: a CPU's budget), each run alone from position 0, in the model's dtype
+# (what the size changes in the key ranking: docs/triattention-calibration.md).
 # It also rebuilds the queries from ``q_proj`` and RoPE, which leaves out a q norm (Qwen3's);
 # taking them at the attention call keeps it.
 
@@ -40,6 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..methods.expected import model_inv_freq
 from ..methods.triattention import QueryStats, turns
 from ..model_files import model_fingerprint, model_name
+from .commands import CALIBRATION_CHUNK, CALIBRATION_TOKENS, OFFICIAL_CALIBRATION_TOKENS  # noqa: F401 (re-exported)
 
 CAPTURE = "kvsieve_qk"  # the attention implementation that records queries and keys
 TEXT_FIELDS = ("question", "problem", "answer", "solution", "text")
@@ -208,7 +210,7 @@ class Capture:
         return fed
 
 
-def calibrate(model, tokenizer, texts: list[str], tokens: int = 4096, chunk: int = 1024,
+def calibrate(model, tokenizer, texts: list[str], tokens: int = CALIBRATION_TOKENS, chunk: int = CALIBRATION_CHUNK,
               data: str = "") -> QueryStats:
     """TriAttention's statistics of ``model`` from ``texts`` (module docstring)."""
     capture = Capture(model)
