@@ -14,8 +14,27 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs: do not squeeze the tables to 80 columns
+
+
+class OneLineErrors(TyperGroup):
+    """The command group of ``kvsieve`` (and ``python -m kvsieve.eval``): a file or disk that fails
+    (``kvsieve.files.OutputError``, or any ``OSError`` naming a file: a full disk, a read-only
+    directory) is shown as one line naming the file and the fix, never a traceback."""
+
+    def invoke(self, ctx: typer.Context):
+        from ..files import failure_line
+
+        try:
+            return super().invoke(ctx)
+        except OSError as err:
+            line = failure_line(err)
+            if line is None:
+                raise
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(1) from None
 
 
 def _pairs(pairs: list[str], flag: str) -> dict:
@@ -130,6 +149,7 @@ def eval_command(
     to get its rows without and with the steering vector side by side in one results directory.
     """
     from ..checks import InputError, SettingError
+    from ..files import check_output_dir
     from ..steering import SteeringModelError
     from .config import EvalConfig, parse_list, parse_shard, split_settings, split_steer
     from .report import rich_table, summarize
@@ -153,6 +173,7 @@ def eval_command(
     # running, an unknown model name, a prompt over the model's context, LagKV's budget fit:
     # SteeringModelError, InputError, SettingError); other errors after this point are bugs and keep
     # their traceback.
+    check_output_dir(config.out)  # a file, a read-only directory: said now, before any work
     for cell in config.cells():
         _bad(make_cell_policy, config, cell)
     samples = _bad(load_samples, config)
@@ -182,6 +203,8 @@ def report_command(
     from .report import rich_table, write_report
 
     report = _bad(write_report, directory, plots=plots, common=common, join=join)
+    for line in report.skipped:
+        typer.echo(f"warning: {line}; left out of the report", err=True)
     title = f"{report.manifest.get('model', '')} on {report.manifest.get('dataset', '')}".strip()
     console.print(rich_table(report.summaries, title=title if title != "on" else ""))
     console.print("wrote " + ", ".join(str(p) for p in report.files))
@@ -226,9 +249,10 @@ def trace_command(
 ):
     """Record which positions each kv head keeps at every compression for one sample, and draw a heatmap."""
     from ..analysis.trace import Trace, draw_heatmap, record_trace
+    from ..files import check_output_dir
 
     if from_trace is not None:
-        trace = Trace.load(from_trace)
+        trace = _bad(Trace.load, from_trace)
         directory = out or from_trace.parent
     else:
         from ..data import load_dataset
@@ -244,7 +268,7 @@ def trace_command(
             policy = make_policy(method, budget=budget, **_pairs(set_, "--set"))
         except ValueError as err:
             raise usage_error(err, trace_command) from None
-        directory = out or Path("runs") / f"trace-{method}-{budget}"
+        directory = check_output_dir(out or Path("runs") / f"trace-{method}-{budget}")
         lm, tokenizer = _bad(load_model, model, device=device, dtype=dtype)
         config = GenerateConfig(max_new_tokens=max_new_tokens)
         item = samples[sample]
