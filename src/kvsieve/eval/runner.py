@@ -99,7 +99,7 @@ def check_prompts(config: EvalConfig, samples: list[Sample], stored: dict[str, s
 def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv_heads: int) -> dict[str, Any]:
     return {"id": sample.id, "dataset": config.dataset, "model": config.model, "method": cell[0], "budget": cell[1],
             "settings": settings, "reference": sample.reference, "grader": sample.grader, "kv_heads": kv_heads,
-            "prompt_sha256": prompt_digest(sample)}
+            "prompt_sha256": prompt_digest(sample), "model_fingerprint": config.model_fingerprint}
 
 
 def _runtime(model) -> dict[str, Any]:
