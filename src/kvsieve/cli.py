@@ -335,17 +335,19 @@ def steering_build(
     from .files import check_output_file, reads, write_atomic
     from .steering import RELEASED, SteeringVector, build_steering_vector, calibration_prompts
 
-    # before the model runs: a missing directory, or a file of another kind (through a link too)
-    target = check_output_file(out, force=force, ours=lambda p: reads(SteeringVector.read, p),
-                               what="steering vector file")
-
     try:
         check_at_least("samples", samples, 1)
         check_at_least("skip", skip, 0)
         check_at_least("max_new_tokens", max_new_tokens, 1)
-        prompts = calibration_prompts(samples, dataset, skip)
     except ValueError as err:
         raise _usage_error(err, steering_build) from None
+    # before the model runs: its directory made, a file of another kind refused (through a link too)
+    target = check_output_file(out, force=force, ours=lambda p: reads(SteeringVector.read, p),
+                               what="steering vector file")
+    try:
+        prompts = calibration_prompts(samples, dataset, skip)
+    except ValueError as err:  # a file that is missing, not UTF-8, or without problems
+        raise _usage_error(err, steering_build, param_hint="--dataset") from None
     lm, tokenizer = _load(model, "auto", "auto")
     try:
         vec = build_steering_vector(lm, tokenizer, prompts, layer=layer, max_new_tokens=max_new_tokens,

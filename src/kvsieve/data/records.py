@@ -114,7 +114,8 @@ READERS = {".jsonl": read_jsonl, ".json": read_json, ".csv": read_csv}
 def read_records(path: str | os.PathLike) -> Iterator[Record]:
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        raise DataError(f"data file {path} is not a regular file (a device or a pipe); give a file" if path.exists()
+                        else f"data file {path} does not exist")
     reader = READERS.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(READERS)}")

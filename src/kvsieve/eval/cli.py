@@ -173,13 +173,13 @@ def eval_command(
     # running, an unknown model name, a prompt over the model's context, LagKV's budget fit:
     # SteeringModelError, InputError, SettingError); other errors after this point are bugs and keep
     # their traceback.
-    check_output_dir(config.out)  # a file, a read-only directory: said now, before any work
     for cell in config.cells():
         _bad(make_cell_policy, config, cell)
     samples = _bad(load_samples, config)
     if samples and samples[0].grader == "perplexity" and any(split_steer(m)[1] for m in config.methods):
         raise typer.BadParameter(f"steering applies to generation; data set {dataset!r} is scored by perplexity: "
                                  "drop the +steer methods")
+    check_output_dir(config.out)  # a file, a read-only directory: said now, before the model loads
     _bad(check_run_manifest, config)
     set_threads(threads)
     try:

@@ -349,7 +349,7 @@ def progress_reporter(enabled: bool, work, samples: int, config: EvalConfig) -> 
         return nullcontext(None)
     if sys.stderr.isatty():
         return Bars(work, samples)
-    return LogLines(work, samples, config.max_new_tokens)
+    return LogLines(work, samples, config.max_new_tokens, every=LOG_EVERY)
 
 
 def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = True, use_ray: bool = False,

@@ -7,9 +7,11 @@ Layout of a results directory::
     results.shard{i}of{n}.jsonl       rows of shard i of n (each process appends to its own file)
     results.<writer>[.shard..].jsonl  rows of a process started with ``--writer`` (disjoint cells)
 
-A row is keyed by ``(id, method, budget)``.  Appends are ``write + flush + fsync`` of one whole
-line, so a killed run loses at most the line being written; that torn tail is cut off when the
-file is opened again.  Readers merge every results file and keep the first row of each key.
+A row is keyed by ``(id, method, budget)``.  Appends are an unbuffered ``write + fsync`` of one
+whole line, so a killed run loses at most the line being written; that torn tail is cut off when
+the file is opened again.  A write that fails (a full disk) is cut back at once and told in one
+line (``kvsieve.files.OutputError``).  Readers merge every results file and keep the first row of
+each key; a line that is no row (``row_problem``: a hand edit) is named by file and line.
 A writer holds an exclusive lock on ``.<file>.lock`` beside its file, so a second eval (or
 ``kvsieve regrade``) on the same file fails at once instead of interleaving rows.
 """
@@ -153,13 +155,12 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         return {}
     try:
         manifest = json.loads(read_text(path))
+        problem = None if isinstance(manifest, dict) else f"a JSON {type(manifest).__name__}"
     except json.JSONDecodeError as err:
-        manifest = err
-    if not isinstance(manifest, dict):
-        what = f"{manifest.msg} at line {manifest.lineno}" if isinstance(manifest, json.JSONDecodeError) else \
-            f"a JSON {type(manifest).__name__}"
-        raise InputError(f"{path}: not the settings record kvsieve eval writes ({what}: cut short or edited); "
-                         f"restore it, or delete it and run the same eval command to write it again")
+        problem = f"{err.msg} at line {err.lineno}"
+    if problem is not None:
+        raise InputError(f"{path}: not the settings record kvsieve eval writes ({problem}: cut short or edited); "
+                         "restore it, or delete it and run the same eval command to write it again")
     return manifest
 
 
@@ -208,7 +209,6 @@ class ResultStore:
         except BaseException:
             self._lock.close()
             raise
-        self.written = 0
         self.done: set[Key] = {row_key(row) for row in rows}
         # (method, budget) -> settings of the cell's first row (runner.check_cell_settings)
         self.cell_settings: dict[tuple, dict] = {}
@@ -234,11 +234,10 @@ class ResultStore:
         except OSError as err:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, size)  # no torn line left behind
-            kept = f"the {len(self.done)} rows written before are kept: "
-            raise output_error(err, self.path, "writing a row", kept + "run the same command again to resume") \
-                from None
+            kept = f"{len(self.done)} row{'s' if len(self.done) != 1 else ''}"
+            raise output_error(err, self.path, "writing a row",
+                               f"run the same command again: it resumes after the {kept} kept") from None
         self.done.add(key)
-        self.written += 1
         return True
 
     def close(self) -> None:
@@ -252,12 +251,13 @@ class ResultStore:
         self.close()
 
 
-def model_changed(directory: str | os.PathLike, model: str | None, before: Any, now: Any, where: str) -> str:
-    """The refusal of a resume whose model is not the one ``where`` (run.json, or its rows) recorded."""
-    return (f"{directory}: --model {model} is not the model its rows were made with: {where} records the "
-            f"fingerprint {json.dumps(before, sort_keys=True)}, the model there now has "
-            f"{json.dumps(now, sort_keys=True)} (replaced in place?); use another --out directory, or the model "
-            "the rows were made with")
+def model_changed(directory: str | os.PathLike, model: str | None, before: dict, now: dict, where: str) -> str:
+    """The refusal of a resume whose model's fingerprint (``now``) is not the one ``where`` (run.json,
+    or its rows) records (``before``), naming the fields that differ with both values."""
+    differ = [f"{k} {before.get(k)} there, {now.get(k)} now" for k in sorted(set(before) | set(now))
+              if before.get(k) != now.get(k)]
+    return (f"{directory}: --model {model} is not the model its rows were made with (replaced in place?): {where} "
+            f"records {'; '.join(differ)}; use another --out directory, or the model the rows were made with")
 
 
 def check_manifest(directory: str | os.PathLike, fields: dict[str, Any],
