@@ -26,6 +26,7 @@ from typing import Callable
 from .checks import InputError
 
 AGAIN = "run the same command again"
+DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # no space, or over the user's quota
 
 
 class OutputError(OSError):
@@ -44,7 +45,7 @@ def os_error_line(err: OSError, path: str | os.PathLike, doing: str, again: str 
     """One line for ``err``, met at ``path`` while ``doing`` (e.g. "writing rows"): what happened
     and what to do; ``again`` is how to go on once the cause is fixed."""
     code = err.errno
-    if code in (errno.ENOSPC, errno.EDQUOT):
+    if code in DISK_FULL:
         return f"{path}: the disk is full ({err.strerror}) while {doing}; free some space, then {again}"
     if code == errno.EFBIG:
         return f"{path}: the file grew past the size limit ({err.strerror}, see ulimit -f) while {doing}; " \
@@ -69,7 +70,7 @@ def failure_line(err: OSError) -> str | None:
         return str(err)
     if not err.filename or err.errno is None:
         return None
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+    if err.errno in DISK_FULL | {errno.EFBIG, errno.EROFS}:
         return os_error_line(err, err.filename, "writing it")
     other = f" -> {err.filename2}" if err.filename2 else ""
     return f"{err.filename}{other}: {err.strerror}"
@@ -122,7 +123,7 @@ def check_writable(directory: str | os.PathLike, flag: str = "--out") -> None:
 def _read_only_fs(directory: Path) -> bool:
     try:
         return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
         return False
 
 

@@ -139,7 +139,8 @@ def eval_command(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
-    progress: bool = typer.Option(True, help="Progress bars with ETA per cell."),
+    progress: bool = typer.Option(True, help="Progress: bars with ETA per cell on a terminal; where stderr is no "
+                                  "terminal (a log), a line at least every 60 s: cell, rows, tokens/s, time left."),
     pin_commit: bool = typer.Option(False, "--pin-commit", help="Record the source's git commit in run.json and "
                                     "refuse rows from any other commit or from uncommitted changes."),
 ):
