@@ -243,6 +243,7 @@ def make_data(tmp: Path) -> None:
     torch.save({"vector": torch.ones(576), "layer": 30, **stamp}, tmp / "layer30.pt")
     torch.save({"vector": torch.ones(576), "layer": 20, "model_name": "other-model", "settings": {},
                 "fingerprint": {**smollm_print, "num_hidden_layers": 24}}, tmp / "other-model.pt")
+    make_file_data(tmp, stamp)
     tasks = tmp / "tasks"
     tasks.mkdir()
     (tasks / "arith.jsonl").write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"][5:]})
@@ -310,7 +311,8 @@ def already_installed(output: str) -> str:
 def second_writer(tmp: Path) -> subprocess.CompletedProcess:
     """A second eval on the --out of one still running is refused (the first keeps running)."""
     out = tmp / "locked"
-    args = eval_args(tmp, out, "--batch-size", "1", "--max-new-tokens", "8", data="gsm6.jsonl")  # both the same
+    # both the same; 48 tokens: the first must still run when the second, seconds later on a busy machine, starts
+    args = eval_args(tmp, out, "--batch-size", "1", "--max-new-tokens", "48", data="gsm6.jsonl")
     first = subprocess.Popen([PYTHON, "-m", "kvsieve.cli", *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=child_env({}))
     try:
@@ -422,6 +424,211 @@ def models_command(*args: str) -> Callable[[Path], subprocess.CompletedProcess]:
 
     scenario.__doc__ = f"kvsieve models {' '.join(args)}   (pip with no index: the shared venv is not changed)"
     return scenario
+
+
+# ---------------------------------------------------------------------------- issue 50: files and disks
+ROW = {"id": "0", "method": "full", "budget": None, "correct": True, "generated_tokens": 3, "prompt_tokens": 9,
+       "kv_heads": 3}
+BAD_ROWS = {"row-no-keys": '{"id": "1", "dataset": "gsm8k"}', "row-bare-number": "7",
+            "row-budget-string": '{"id": "1", "method": "tova", "budget": "16", "correct": true}'}
+
+
+def make_file_data(tmp: Path, stamp: dict) -> None:
+    """Issue 50's files: hand-edited rows, a run.json cut short, Latin-1 texts, no trace, bad statistics."""
+    import torch
+
+    for name, line in BAD_ROWS.items():
+        (tmp / name).mkdir()
+        (tmp / name / "results.jsonl").write_text(json.dumps(ROW) + "\n" + line + "\n" +
+                                                  json.dumps({**ROW, "id": "1", "correct": False}) + "\n")
+    (tmp / "cut-run-json").mkdir()
+    (tmp / "cut-run-json" / "run.json").write_text('{\n  "data_options": {},\n  "data_path": ')
+    (tmp / "cut-run-json" / "results.jsonl").write_text(json.dumps(ROW) + "\n")
+    (tmp / "book.txt").write_text("The fox walked to the river to drink. " * 40 + "\n")
+    (tmp / "latin1.txt").write_bytes(b"A first line.\n" + "Un caf\xe9 au lait.\n".encode("latin-1"))
+    (tmp / "notes.txt").write_text("my notes\n")
+    (tmp / "notes-link.pt").symlink_to(tmp / "notes.txt")
+    (tmp / "not-a-trace.npz").write_text("not a trace\n")
+    (tmp / "results-device").mkdir()
+    (tmp / "results-device" / "results.jsonl").symlink_to("/dev/full")
+    g = torch.Generator().manual_seed(0)
+
+    def stats(name: str, layers: int, poison: float | None = None) -> None:
+        q_mean = torch.randn(layers, 9, 32, 2, generator=g)
+        q_abs = q_mean.norm(dim=-1) * 1.2
+        if poison is not None:
+            q_mean[0, 0, :3, 0] = poison
+        inv_freq = 100000.0 ** -(torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+        torch.save({"kind": "kvsieve-triattention-stats", "q_mean": q_mean, "q_abs_mean": q_abs, "inv_freq": inv_freq,
+                    "attention_scaling": 1.0, "num_kv_heads": 3, "model_name": stamp["model_name"],
+                    "fingerprint": stamp["fingerprint"], "settings": {}}, tmp / name)
+
+    stats("stats-nan.pt", 30, float("nan"))
+    stats("stats-2-layers.pt", 2)
+
+
+def in_namespace(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``sh -c script`` in a user and mount namespace of its own (unshare -rm): a tmpfs or a read-only
+    bind mount made there is seen by this command only and is gone when it ends."""
+    if shutil.which("unshare") is None:
+        raise AssertionError("unshare is not installed: the probe needs a private mount namespace")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env=child_env({}))
+
+
+def shell_kvsieve(*args: str) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in (PYTHON, "-m", "kvsieve.cli", *args))
+
+
+def full_disk(tmp: Path) -> subprocess.CompletedProcess:
+    """eval on a 12 KiB disk: it fills while rows are written; one line says so. Then the directory,
+    copied to a disk with room, resumes to every row, none twice."""
+    disk = tmp / "small-disk"
+    disk.mkdir()
+    out = disk / "run"
+    args = eval_args(tmp, out, "--methods", "tova", "--budgets", "16", "--batch-size", "1", data="gsm6.jsonl")
+    done = in_namespace(f"mount -t tmpfs -o size=12k tmpfs {disk} && {shell_kvsieve(*args)}; code=$?; "
+                        f"cp -a {out} {tmp / 'after-full-disk'}; exit $code")
+    moved = tmp / "after-full-disk"
+    kept = result_rows(moved)
+    assert done.returncode != 0, "the eval did not fail: the disk did not fill"
+    assert 0 < len(kept) < 2 * len(GSM), f"{len(kept)} rows written before the disk filled"
+    resumed = kvsieve(*eval_args(tmp, moved, "--methods", "tova", "--budgets", "16", data="gsm6.jsonl"))
+    assert resumed.returncode == 0, f"resume failed: {resumed.stderr[-300:]}"
+    keys = keys_of(result_rows(moved))
+    assert len(keys) == len(set(keys)) == 2 * len(GSM), f"{len(keys)} rows after the resume"
+    return done
+
+
+def read_only_out(tmp: Path) -> subprocess.CompletedProcess:
+    """eval --out a directory on a read-only mount: refused before the model loads."""
+    ro = tmp / "read-only"
+    ro.mkdir()
+    return in_namespace(f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} && "
+                        + shell_kvsieve(*eval_args(tmp, ro)))
+
+
+def read_only_report(tmp: Path) -> subprocess.CompletedProcess:
+    """report on a results directory on a read-only mount: refused before anything is computed."""
+    ro = tmp / "read-only-results"
+    ro.mkdir()
+    (ro / "results.jsonl").write_text(json.dumps(ROW) + "\n")
+    return in_namespace(f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} && "
+                        + shell_kvsieve("report", str(ro), "--no-plots"))
+
+
+def read_only_regrade(tmp: Path) -> subprocess.CompletedProcess:
+    """regrade --write on a results directory on a read-only mount (the rows' grades change): one line."""
+    ro = tmp / "read-only-regrade"
+    ro.mkdir()
+    (ro / "results.jsonl").write_text(json.dumps({**ROW, "text": "#### 5", "reference": "5", "grader": "gsm8k",
+                                                  "extracted": None, "correct": False}) + "\n")
+    return in_namespace(f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} && "
+                        + shell_kvsieve("regrade", str(ro), "--write"))
+
+
+def tiny_model_dir(directory: Path, seed: int) -> None:
+    """A random two-layer llama at smollm2's vocabulary, with smollm2's tokenizer, saved at ``directory``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvsieve.models import ensure_bundled
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                                  max_position_embeddings=8192)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(ensure_bundled("smollm2-135m")).save_pretrained(directory)
+
+
+def model_replaced(tmp: Path) -> subprocess.CompletedProcess:
+    """eval --model DIR, then DIR replaced by other weights in place and the eval resumed with more
+    samples: refused, naming both fingerprints (before, the rows of two models mixed in one cell)."""
+    model = tmp / "replaced-model"
+    out = tmp / "out" / "model-replaced"
+    tiny_model_dir(model, seed=0)
+    first = kvsieve("eval", "--model", str(model), "--dataset", "gsm8k", "--data", str(tmp / "gsm2.jsonl"),
+                    "--out", str(out), "--max-new-tokens", "3", "--no-progress")
+    assert first.returncode == 0, f"the first eval failed: {first.stderr[-300:]}"
+    tiny_model_dir(model, seed=1)
+    return kvsieve("eval", "--model", str(model), "--dataset", "gsm8k", "--data", str(tmp / "gsm6.jsonl"),
+                   "--out", str(out), "--max-new-tokens", "3", "--no-progress")
+
+
+def model_copied(tmp: Path) -> str:
+    """The same eval's model copied with new file times (cp, no -p) to where it was: resumes."""
+    model = tmp / "copied-model"
+    out = tmp / "out" / "model-copied"
+    tiny_model_dir(model, seed=0)
+    args = ("eval", "--model", str(model), "--dataset", "gsm8k", "--data", str(tmp / "gsm6.jsonl"), "--out", str(out),
+            "--max-new-tokens", "3", "--no-progress")
+    first = kvsieve(*args, "--limit", "2")
+    assert first.returncode == 0, f"the first eval failed: {first.stderr[-300:]}"
+    shutil.move(model, tmp / "copied-model-old")
+    shutil.copytree(tmp / "copied-model-old", model, copy_function=shutil.copyfile)
+    again = kvsieve(*args)
+    assert again.returncode == 0, f"refused: {error_lines(again.stdout, again.stderr)[:1]}"
+    assert len(result_rows(out)) == len(GSM), f"{len(result_rows(out))} rows"
+    return f"resumed to {len(GSM)} rows"
+
+
+def symlinked_stats(tmp: Path) -> subprocess.CompletedProcess:
+    """calibrate --out LINK, LINK -> a notes file: refused before the model runs, the notes untouched."""
+    done = kvsieve("calibrate", "triattention", "--data", str(tmp / "book.txt"), "--out", str(tmp / "notes-link.pt"),
+                   "--tokens", "64", "--chunk", "32")
+    assert (tmp / "notes.txt").read_text() == "my notes\n", "the linked file was overwritten"
+    return done
+
+
+PROGRESS_LINE = re.compile(r"eval: (full|tova@16) \d/6 rows, all cells \d+/12 rows, [\d.]+ tokens/s, "
+                           r"(about .+ left|at most .+ left|time left not known yet)")
+
+
+def logged_progress(tmp: Path) -> str:
+    """eval with stderr to a pipe (no terminal), the period cut from 60 s to 1 s: a line at least every
+    period (2.5 s allowed on a busy machine), each naming the cell, its rows, all rows, tokens/s and
+    the time left; the last one says every row is done."""
+    code = ("import sys, kvsieve.eval.runner as r; r.LOG_EVERY = 1.0; from kvsieve.cli import app; "
+            "sys.argv[0] = 'kvsieve'; app()")
+    args = eval_args(tmp, tmp / "out" / "logged", "--methods", "tova", "--budgets", "16", "--max-new-tokens", "24",
+                     data="gsm6.jsonl")
+    run = subprocess.Popen([PYTHON, "-c", code, *(a for a in args if a != "--no-progress")], text=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env({}))
+    times, lines = [], []
+    for line in run.stderr:
+        if line.startswith("eval: "):
+            times.append(time.monotonic())
+            lines.append(line.strip())
+    assert run.wait() == 0, "eval failed"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(lines) >= 3 and max(gaps) <= 2.5, f"{len(lines)} lines, longest gap {max(gaps, default=0):.1f} s"
+    odd = [line for line in lines if not PROGRESS_LINE.fullmatch(line)]
+    assert not odd, f"lines unlike the others: {odd[:2]}"
+    assert lines[-1].startswith("eval: tova@16 6/6 rows, all cells 12/12 rows"), lines[-1]
+    return f"{len(lines)} lines, longest gap {max(gaps):.1f} s, e.g. {lines[len(lines) // 2]!r}"
+
+
+def report_skips(line_no: int):
+    def check(output: str) -> str:
+        warnings = [line for line in output.splitlines() if line.startswith("warning: ")]
+        assert len(warnings) == 1 and f"results.jsonl:{line_no}: not a results row" in warnings[0], warnings
+        assert any(line.split()[:4] == ["full", "none", "-", "2"] for line in output.splitlines()), \
+            "no table row: full, budget none, n 2"
+        return warnings[0].split("/")[-1]
+
+    check.__doc__ = f"exit 0, the table of the 2 good rows (full, budget none, n 2), and one 'warning: results.jsonl:{line_no}: " \
+                    "...; left out of the report'"
+    return check
+
+
+def wrote(output: str) -> str:
+    """exit 0 and 'wrote FILE'."""
+    line = next((line for line in output.splitlines() if "wrote" in line), None)
+    assert line is not None, "no word of the file written"
+    return line[-120:]
 
 
 # ---------------------------------------------------------------------------- the probes
@@ -563,6 +770,69 @@ PROBES: list[Probe] = [
     Probe("resume-changed-max-new-tokens", "resume with another --max-new-tokens", resume_other_max_new_tokens,
           "max_new_tokens"),
     Probe("eval-kill-resume", "SIGKILL an eval mid-run, then resume", kill_and_resume, timeout=400),
+    # --- issue 50: files and disks that fail, results that must not mix
+    *(Probe(f"eval-{name}", f"eval resuming a results.jsonl whose line 2 is {line}",
+            eval_args(Path("{tmp}"), Path(f"{{tmp}}/{name}")), f"results.jsonl:2: not a results row")
+      for name, line in BAD_ROWS.items()),
+    *(Probe(f"report-{name}", f"report on a results.jsonl whose line 2 is {line}",
+            ("report", f"{{tmp}}/{name}", "--no-plots"), check=report_skips(2)) for name, line in BAD_ROWS.items()),
+    Probe("eval-run-json-cut", "eval resuming a directory whose run.json was cut short",
+          eval_args(Path("{tmp}"), Path("{tmp}/cut-run-json")), "run.json: not the settings record kvsieve eval writes"),
+    Probe("report-run-json-cut", "report on a directory whose run.json was cut short",
+          ("report", "{tmp}/cut-run-json", "--no-plots"), "run.json: not the settings record kvsieve eval writes"),
+    Probe("eval-full-disk", "eval on a disk that fills while rows are written; resumed elsewhere", full_disk,
+          "the disk is full (No space left on device) while writing", timeout=400),
+    Probe("eval-read-only-out", "eval --out a directory on a read-only mount", read_only_out,
+          "the directory is not writable (on a read-only file system)"),
+    Probe("eval-out-is-file", "eval --out an existing regular file", eval_args(Path("{tmp}"), Path("{tmp}/gsm2.jsonl")),
+          "gsm2.jsonl is a file, not a directory"),
+    Probe("eval-data-device", "eval --data /dev/zero (a device, endless)", eval_args(Path("{tmp}"), Path("{out}"),
+          data="/dev/zero"), "data file /dev/zero is not a regular file"),
+    Probe("report-read-only", "report on a results directory on a read-only mount", read_only_report,
+          "the directory is not writable (on a read-only file system)"),
+    Probe("regrade-write-read-only", "regrade --write on a results directory on a read-only mount",
+          read_only_regrade, "read-only-regrade/.results.jsonl.lock: not writable (Read-only file system)"),
+    Probe("eval-results-device", "eval resuming a directory whose results.jsonl is a link to /dev/full",
+          eval_args(Path("{tmp}"), Path("{tmp}/results-device")), "results.jsonl is not a regular file"),
+    Probe("eval-out-under-file", "eval --out FILE/run (a part of the path is a file)",
+          eval_args(Path("{tmp}"), Path("{tmp}/notes.txt/run")), "cannot create the directory (Not a directory)"),
+    Probe("eval-model-replaced", "eval, the model directory replaced in place, eval resumed", model_replaced,
+          "is not the model its rows were made with (replaced in place?): run.json records weights_sha256"),
+    Probe("eval-model-copied", "eval, the model directory copied (new file times) back in place, resumed",
+          model_copied),
+    Probe("calibrate-out-symlink", "calibrate --out LINK, LINK -> an existing notes file", symlinked_stats,
+          "exists and is not a TriAttention statistics file; choose another --out, or pass --force"),
+    Probe("calibrate-out-missing-dir", "calibrate --out a/b/stats.pt where a/b does not exist",
+          ("calibrate", "triattention", "--data", "{tmp}/book.txt", "--out", "{out}/a/b/stats.pt", "--tokens", "64",
+           "--chunk", "32"), check=wrote),
+    Probe("calibrate-out-under-file", "calibrate --out FILE/stats.pt (its directory is a file)",
+          ("calibrate", "triattention", "--data", "{tmp}/book.txt", "--out", "{tmp}/notes.txt/stats.pt"),
+          "notes.txt is a file, not a directory; choose another --out"),
+    Probe("calibrate-latin1", "calibrate triattention --data a Latin-1 text file",
+          ("calibrate", "triattention", "--data", "{tmp}/latin1.txt", "--out", "{out}/s.pt"),
+          "latin1.txt:2: not UTF-8 text (byte 0xe9 at column 7); save the file as UTF-8"),
+    Probe("qk-latin1", "analyze qk --data a Latin-1 text file", ("analyze", "qk", "--data", "{tmp}/latin1.txt",
+          "--out", "{out}"), "latin1.txt:2: not UTF-8 text (byte 0xe9 at column 7); save the file as UTF-8"),
+    Probe("mri-latin1", "analyze mri --dataset a Latin-1 JSONL", ("analyze", "mri", "--dataset", "{tmp}/latin1.jsonl",
+          "--out", "{out}/mri.json"), "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 18); save the file as UTF-8"),
+    Probe("steering-build-latin1", "steering build --dataset a Latin-1 JSONL",
+          ("steering", "build", "--model", "smollm2-135m", "--dataset", "{tmp}/latin1.jsonl", "--samples", "2",
+           "--out", "{out}/v.pt"), "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 18); save the file as UTF-8"),
+    Probe("steering-build-out-taken", "steering build --out an existing notes file",
+          ("steering", "build", "--model", "smollm2-135m", "--out", "{tmp}/notes.txt"),
+          "notes.txt exists and is not a steering vector file; choose another --out, or pass --force"),
+    Probe("retention-not-trace", "analyze retention FILE.npz that is no trace",
+          ("analyze", "retention", "{tmp}/not-a-trace.npz"), "not-a-trace.npz is not a trace file"),
+    Probe("trace-from-not-trace", "analyze trace --from FILE.npz that is no trace",
+          ("analyze", "trace", "--from", "{tmp}/not-a-trace.npz", "--out", "{out}"), "not-a-trace.npz is not a trace file"),
+    Probe("stats-nan", "triattention stats=FILE holding NaN", (*G, "--method", "triattention", "--budget", "16", "--set",
+          "stats={tmp}/stats-nan.pt", "hi"), "TriAttention statistics have 3 of 17280 values in q_mean that are not "
+                                             "finite (nan or inf)"),
+    Probe("stats-2-layers", "triattention stats=FILE of 2 layers stamped as smollm2's (30)",
+          (*G, "--method", "triattention", "--budget", "16", "--set", "stats={tmp}/stats-2-layers.pt", "hi"),
+          "hold 2 layers, 9 query heads, 3 kv heads, head dim 64; the model has 30 layers"),
+    Probe("eval-progress-log", "eval with stderr to a file: progress lines, period cut to 1 s", logged_progress,
+          timeout=400),
     # --- the Python API
     Probe("py-budget-str", "make_policy('tova', budget='32')", "make_policy('tova', budget='32')",
           "budget= must be an integer, got '32' (str)"),
@@ -650,7 +920,7 @@ PROBES: list[Probe] = [
     Probe("version-fast", "kvsieve --version wall time", starts_fast("--version")),
     Probe("help-fast", "kvsieve --help wall time", starts_fast("--help")),
     Probe("methods-list", "kvsieve methods", ("methods",), check=lists_methods),
-    Probe("bench-unknown", "kvsieve bench nosuch", ("bench", "nosuch"), "unknown benchmark 'nosuch'; choose one of"),
+    Probe("bench-unknown", "kvsieve bench nosuch", ("bench", "nosuch"), "No such command 'nosuch'"),  # typer's, since bench became a group
     Probe("models-install", "kvsieve models install smollm2-135m (installed, converted)",
           models_command("install", "smollm2-135m"), check=already_installed),
     Probe("models-install-force", "kvsieve models install smollm2-135m --force (no package index)",

@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .demo import SEED_METHODS
+from .eval.cli import OneLineErrors
 
 app = typer.Typer(help="kvsieve: bounded KV caches for long generation.", no_args_is_help=True,
-                  pretty_exceptions_show_locals=False)
+                  pretty_exceptions_show_locals=False, cls=OneLineErrors)
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes: do not squeeze tables
 
 
@@ -328,20 +329,26 @@ def steering_build(
         help="Others sentences: 'keywords' hold Wait/Alternatively/again (App. A.1, as decoding counts them); "
              "'seal' contain one of SEAL's reflection/transition phrases (Sec. 4)."),
     out: str = typer.Option(..., help="File the vector is saved to."),
+    force: bool = typer.Option(False, "--force", help="Overwrite --out even when it is no steering vector file."),
 ):
     """Build a SkipKV steering vector from the model's own answers to calibration problems (Sec. 4.2)."""
     from .checks import check_at_least
-    from .steering import RELEASED, build_steering_vector, calibration_prompts
+    from .files import check_output_file, reads, write_atomic
+    from .steering import RELEASED, SteeringVector, build_steering_vector, calibration_prompts
 
     try:
         check_at_least("samples", samples, 1)
         check_at_least("skip", skip, 0)
         check_at_least("max_new_tokens", max_new_tokens, 1)
-        prompts = calibration_prompts(samples, dataset, skip)
-    except FileNotFoundError:
-        raise typer.BadParameter(f"{dataset} does not exist", param_hint="--dataset") from None
     except ValueError as err:
         raise _usage_error(err, steering_build) from None
+    # before the model runs: its directory made, a file of another kind refused (through a link too)
+    target = check_output_file(out, force=force, ours=lambda p: reads(SteeringVector.read, p),
+                               what="steering vector file")
+    try:
+        prompts = calibration_prompts(samples, dataset, skip)
+    except ValueError as err:  # a file that is missing, not UTF-8, or without problems
+        raise _usage_error(err, steering_build, param_hint="--dataset") from None
     lm, tokenizer = _load(model, "auto", "auto")
     try:
         vec = build_steering_vector(lm, tokenizer, prompts, layer=layer, max_new_tokens=max_new_tokens,
@@ -350,7 +357,7 @@ def steering_build(
                                     labels=labels.value, dataset=f"{dataset} rows {skip}-{skip + samples - 1}")
     except ValueError as err:  # a layer outside the model, too few sentences of a class
         raise _usage_error(err, steering_build) from None
-    vec.save(out)
+    write_atomic(target, vec.save, "writing the steering vector")
     print(json.dumps({"out": out, "layer": vec.layer, **vec.settings}))
 
 

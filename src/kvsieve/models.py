@@ -307,6 +307,56 @@ def check_hub_model(name: str) -> None:
         raise _not_a_model(name, f"the Hugging Face hub cannot be reached ({type(err).__name__})") from None
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLE = 1 << 20  # bytes hashed at each of the start, middle and end of a weight file
+
+
+def checkpoint_dir(name: str) -> Path | None:
+    """The directory ``load_model(name)`` reads, found without loading, converting or the network:
+    a converted bundled model, a local directory, or a hub id's snapshot in the local hub cache;
+    None when there is none yet (a bundled model not converted, a hub id not downloaded)."""
+    if name in BUNDLED:
+        path = cache_dir() / name
+        return path if path.is_dir() else None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(name, "config.json")
+    except (ImportError, ValueError):
+        return None
+    return Path(config).parent if isinstance(config, str) else None
+
+
+def checkpoint_fingerprint(name: str) -> dict | None:
+    """What a model's files are, so results made with one model are never mixed with another's
+    under the same name (a checkpoint replaced in place): the sha256 of its ``config.json``, the
+    total bytes of its weight files, and a sha256 over each weight file's name, size and first,
+    middle and last MiB (3 MiB read a file: quick at any size; a copy or a ``touch`` changes
+    nothing, new weights change it).  ``random:`` shapes are their name; None when the checkpoint
+    is not on disk yet (``checkpoint_dir``)."""
+    if name.startswith("random:"):
+        return {"random": name.split(":", 1)[1]}
+    directory = checkpoint_dir(name)
+    if directory is None:
+        return None
+    config = directory / "config.json"
+    weights = sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    digest = hashlib.sha256()
+    for path in weights:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for start in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                f.seek(start)
+                digest.update(f.read(_SAMPLE))
+    return {"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else None,
+            "weights_bytes": sum(p.stat().st_size for p in weights),
+            "weights_sha256": digest.hexdigest()[:16]}
+
+
 def load_model(
     name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -242,18 +242,22 @@ def calibration_prompts(n: int, path: str | Path = "../shared/data/gsm8k_train.j
     MATH-500 evaluations then limited to the first 400 problems)."""
     from .data.templates import math_prompt
 
+    from .files import read_lines
+
     prompts = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if line_no <= skip or not line.strip():
-                continue
-            if len(prompts) == n:
-                break
+    for line_no, line in enumerate(read_lines(path), 1):
+        if line_no <= skip or not line.strip():
+            continue
+        if len(prompts) == n:
+            break
+        try:
             row = json.loads(line)
-            text = row.get("question", row.get("problem"))
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{line_no}: needs a 'question' or 'problem' text field")
-            prompts.append(math_prompt(text))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_no}: not a JSON line ({err.msg}); fix or remove that line") from None
+        text = row.get("question", row.get("problem")) if isinstance(row, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{line_no}: needs a 'question' or 'problem' text field")
+        prompts.append(math_prompt(text))
     if len(prompts) < n:
         raise ValueError(f"{path} has {len(prompts)} problems after skipping {skip}, {n} were asked for")
     return prompts

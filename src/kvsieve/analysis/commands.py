@@ -46,6 +46,8 @@ def register_mri(app) -> None:
         """Measure MRIs with a full cache and recommend LazyEviction's window W (80th percentile)."""
         from .. import models
         from ..checks import SettingError
+        from ..files import check_output_file, reads
+        from ..methods.lazy import read_window
         from .mri import analyze, load_prompts
 
         dataset = dataset or DEFAULT_DATASET
@@ -53,6 +55,7 @@ def register_mri(app) -> None:
             prompts = load_prompts(dataset, samples, seed)
         except (OSError, ValueError) as err:
             raise typer.BadParameter(str(err)) from None
+        check_output_file(out, ours=lambda p: reads(read_window, p), what="MRI file of kvsieve analyze mri")
         lm, tokenizer = models.load_model(model, device=device, dtype=dtype)
         try:
             s = analyze(lm, tokenizer, prompts, out, max_new_tokens, alpha,
@@ -115,7 +118,10 @@ def register_retention(app) -> None:
         fmt = lambda x, scale=1.0: "-" if x is None or np.isnan(x) else f"{scale * x:.3g}"  # noqa: E731
         for path in paths:
             if path.suffix == ".npz":
-                trace = Trace.load(path)
+                try:
+                    trace = Trace.load(path)
+                except ValueError as err:
+                    raise typer.BadParameter(str(err)) from None
                 prompt = int(trace.meta.get("prompt_tokens", 0))
                 s = trace_diagnostics(trace, region, max_gap, prompt if generated_only else 0, prompt)["summary"]
                 rep = ngram_repetition(str(trace.meta.get("text", "")).split(), ngram)
@@ -162,6 +168,7 @@ def register_calibrate(app) -> None:
         model: str = typer.Option("smollm2-135m", help="Bundled name, local directory or hub id."),
         data: Path = typer.Option(DEFAULT_DATASET, help="Plain text file, or JSONL (question/answer/text fields)."),
         out: Path = typer.Option(Path("triattention-stats.pt"), help="Statistics file (stats=FILE of triattention)."),
+        force: bool = typer.Option(False, "--force", help="Overwrite --out even when it is no statistics file."),
         tokens: int = typer.Option(CALIBRATION_TOKENS, help="Tokens of the data to run through the model (the official "
                                    f"code: one pass of up to {OFFICIAL_CALIBRATION_TOKENS:,}; "
                                    "docs/triattention-calibration.md)."),
@@ -175,15 +182,20 @@ def register_calibrate(app) -> None:
 
         from rich.console import Console
 
+        from ..files import check_output_file, reads, write_atomic
+        from ..methods.triattention import QueryStats
         from .qk import calibrate
 
+        # before the model runs: a missing directory, or a file of another kind (through a link too)
+        target = check_output_file(out, force=force, ours=lambda p: reads(QueryStats.read, p),
+                                   what="TriAttention statistics file")
         lm, tokenizer, texts = _model_and_texts(model, data, device, dtype)
         start = time.perf_counter()
         try:
             stats = calibrate(lm, tokenizer, texts, tokens=tokens, chunk=chunk, data=str(data))
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
-        stats.save(out)
+        write_atomic(target, stats.save, "writing the statistics")
         L, H, F, _ = stats.q_mean.shape
         Console().print(f"calibrated {model} on {stats.settings['tokens']:,} tokens of {data} in "
                         f"{time.perf_counter() - start:.1f} s: {L} layers x {H} query heads x {F} frequency pairs; "
@@ -213,8 +225,10 @@ def register_qk(app) -> None:
         the attention measured by distance (TriAttention's analysis)."""
         from rich.console import Console
 
+        from ..files import check_output_dir
         from .qk import analyze
 
+        check_output_dir(out)
         lm, tokenizer, texts = _model_and_texts(model, data, device, dtype)
         try:
             s = analyze(lm, tokenizer, texts, out, tokens=tokens, chunk=chunk, max_distance=max_distance,

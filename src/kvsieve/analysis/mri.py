@@ -87,11 +87,22 @@ def load_prompts(path, samples: int, seed: int = 0) -> list[str]:
     """``samples`` prompts drawn at random (seeded) from a JSONL file, in file order."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    texts = [next((row[k] for k in PROMPT_FIELDS if k in row), None) for row in rows]
-    if not texts or None in texts:
-        raise ValueError(f"{path}: every row needs one of the fields {list(PROMPT_FIELDS)}")
+    from ..files import read_lines
+
+    texts = []
+    for number, line in enumerate(read_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg}); fix or remove that line") from None
+        text = next((row[k] for k in PROMPT_FIELDS if k in row), None) if isinstance(row, dict) else None
+        if text is None:
+            raise ValueError(f"{path}:{number}: every row needs one of the fields {list(PROMPT_FIELDS)}")
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"{path} holds no rows")
     picked = sorted(random.Random(seed).sample(range(len(texts)), min(samples, len(texts))))
     return [texts[i] for i in picked]
 

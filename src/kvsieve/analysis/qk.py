@@ -38,6 +38,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..files import read_text
 from ..methods.expected import model_inv_freq
 from ..methods.triattention import QueryStats, turns
 from ..model_files import model_fingerprint, model_name
@@ -53,26 +54,25 @@ def read_texts(path: str | Path, limit: int | None = None) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"calibration data {path} is not a file")
+    text = read_text(path)
     if path.suffix != ".jsonl":
-        text = path.read_text(encoding="utf-8")
         if not text.strip():
             raise ValueError(f"calibration data {path} is empty")
         return [text]
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"{path}:{number} is not a JSON line") from None
-            parts = [str(row[k]) for k in TEXT_FIELDS if isinstance(row, dict) and k in row]
-            if not parts:
-                raise ValueError(f"{path}:{number} has none of the fields {list(TEXT_FIELDS)}")
-            texts.append("\n".join(parts))
-            if limit is not None and len(texts) >= limit:
-                break
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{number} is not a JSON line") from None
+        parts = [str(row[k]) for k in TEXT_FIELDS if isinstance(row, dict) and k in row]
+        if not parts:
+            raise ValueError(f"{path}:{number} has none of the fields {list(TEXT_FIELDS)}")
+        texts.append("\n".join(parts))
+        if limit is not None and len(texts) >= limit:
+            break
     if not texts:
         raise ValueError(f"calibration data {path} has no rows")
     return texts

@@ -41,7 +41,6 @@ Per-event values come from ``trace_diagnostics``; a run's summary pools them as 
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -194,5 +193,6 @@ def _read_rows(path: Path) -> list[dict]:
         from ..eval.store import load_results
 
         return load_results(path)
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from ..eval.store import read_rows
+
+    return list(read_rows(path))

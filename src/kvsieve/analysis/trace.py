@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import InputError
 from ..policy import HostHooks, Policy, Scorer
+
+TRACE_HINT = "give a trace.npz written by kvsieve analyze trace"
 
 
 @dataclass
@@ -64,12 +68,20 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        with np.load(path) as z:
-            offsets, positions = z["offsets"], z["positions"]
-            meta = json.loads(str(z["meta"]))
-            kept = [positions[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
-            return cls(z["layer"].tolist(), z["row"].tolist(), z["seen"].tolist(), z["head"].tolist(), kept,
-                       meta, meta.pop("lost", 0))
+        """The trace ``save`` wrote at ``path``; an ``InputError`` naming the file when it is none."""
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"trace file {path} does not exist; {TRACE_HINT}")
+        try:
+            with np.load(path) as z:
+                offsets, positions = z["offsets"], z["positions"]
+                meta = json.loads(str(z["meta"]))
+                kept = [positions[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+                return cls(z["layer"].tolist(), z["row"].tolist(), z["seen"].tolist(), z["head"].tolist(), kept,
+                           meta, meta.pop("lost", 0))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile) as err:
+            # not an .npz (pickled or plain text), an .npy (no `with`), another .npz (no such key), bad meta
+            raise InputError(f"{path} is not a trace file ({type(err).__name__}); {TRACE_HINT}") from None
 
     def steps(self, row: int = 0) -> list[int]:
         """The row's compression events, as its ``seen_tokens`` at each."""

@@ -77,7 +77,8 @@ def _local_file(spec: FileDataset, path: str | os.PathLike) -> Path:
                             "pass the file itself with --data")
         return candidate
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        raise DataError(f"data file {path} is not a regular file (a device or a pipe); give a file" if path.exists()
+                        else f"data file {path} does not exist")
     return path
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import files
+
 
 class DataError(ValueError):
     """A data set could not be found or one of its rows is malformed."""
@@ -56,18 +58,11 @@ class Record:
 
 def read_text(path: str | os.PathLike) -> str:
     """The UTF-8 text of a data file; a DataError naming the file and line of the first byte that is not UTF-8."""
-    raw = Path(path).read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {column}); "
-                        "save the file as UTF-8") from None
+    return files.read_text(path, DataError)
 
 
 def read_jsonl(path: Path) -> Iterator[Record]:
-    for line_no, line in enumerate(read_text(path).split("\n"), start=1):
+    for line_no, line in enumerate(files.read_lines(path, DataError), start=1):
         if not line.strip():
             continue
         try:
@@ -119,7 +114,8 @@ READERS = {".jsonl": read_jsonl, ".json": read_json, ".csv": read_csv}
 def read_records(path: str | os.PathLike) -> Iterator[Record]:
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+        raise DataError(f"data file {path} is not a regular file (a device or a pipe); give a file" if path.exists()
+                        else f"data file {path} does not exist")
     reader = READERS.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(READERS)}")

@@ -2,9 +2,9 @@
 
 import typer
 
-from .cli import register
+from .cli import OneLineErrors, register
 
-app = typer.Typer(help="kvsieve evaluation harness.", no_args_is_help=True, pretty_exceptions_show_locals=False)
+app = typer.Typer(help="kvsieve evaluation harness.", cls=OneLineErrors, no_args_is_help=True, pretty_exceptions_show_locals=False)
 register(app)
 
 if __name__ == "__main__":

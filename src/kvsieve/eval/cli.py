@@ -14,8 +14,27 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs: do not squeeze the tables to 80 columns
+
+
+class OneLineErrors(TyperGroup):
+    """The command group of ``kvsieve`` (and ``python -m kvsieve.eval``): a file or disk that fails
+    (``kvsieve.files.OutputError``, or any ``OSError`` naming a file: a full disk, a read-only
+    directory) is shown as one line naming the file and the fix, never a traceback."""
+
+    def invoke(self, ctx: typer.Context):
+        from ..files import failure_line
+
+        try:
+            return super().invoke(ctx)
+        except OSError as err:
+            line = failure_line(err)
+            if line is None:
+                raise
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(1) from None
 
 
 def _pairs(pairs: list[str], flag: str) -> dict:
@@ -123,7 +142,8 @@ def eval_command(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     threads: Optional[int] = typer.Option(None, min=1, help=THREADS_HELP),
-    progress: bool = typer.Option(True, help="Progress bars with ETA per cell."),
+    progress: bool = typer.Option(True, help="Progress: bars with ETA per cell on a terminal; where stderr is no "
+                                  "terminal (a log), a line at least every 60 s: cell, rows, tokens/s, time left."),
     pin_commit: bool = typer.Option(False, "--pin-commit", help="Record the source's git commit in run.json and "
                                     "refuse rows from any other commit or from uncommitted changes."),
 ):
@@ -133,6 +153,7 @@ def eval_command(
     to get its rows without and with the steering vector side by side in one results directory.
     """
     from ..checks import InputError, SettingError
+    from ..files import check_output_dir
     from ..steering import SteeringModelError
     from .config import EvalConfig, parse_list, parse_shard, split_settings, split_steer
     from .report import rich_table, summarize
@@ -163,6 +184,7 @@ def eval_command(
     if samples and samples[0].grader == "perplexity" and any(split_steer(m)[1] for m in config.methods):
         raise typer.BadParameter(f"steering applies to generation; data set {dataset!r} is scored by perplexity: "
                                  "drop the +steer methods")
+    check_output_dir(config.out)  # a file, a read-only directory: said now, before the model loads
     _bad(check_run_manifest, config)
     set_threads(threads)
     try:
@@ -186,6 +208,8 @@ def report_command(
     from .report import rich_table, write_report
 
     report = _bad(write_report, directory, plots=plots, common=common, join=join)
+    for line in report.skipped:
+        typer.echo(f"warning: {line}; left out of the report", err=True)
     title = f"{report.manifest.get('model', '')} on {report.manifest.get('dataset', '')}".strip()
     console.print(rich_table(report.summaries, title=title if title != "on" else ""))
     console.print("wrote " + ", ".join(str(p) for p in report.files))
@@ -230,9 +254,10 @@ def trace_command(
 ):
     """Record which positions each kv head keeps at every compression for one sample, and draw a heatmap."""
     from ..analysis.trace import Trace, draw_heatmap, record_trace
+    from ..files import check_output_dir
 
     if from_trace is not None:
-        trace = Trace.load(from_trace)
+        trace = _bad(Trace.load, from_trace)
         directory = out or from_trace.parent
     else:
         from ..data import load_dataset
@@ -248,7 +273,7 @@ def trace_command(
             policy = make_policy(method, budget=budget, **_pairs(set_, "--set"))
         except ValueError as err:
             raise usage_error(err, trace_command) from None
-        directory = out or Path("runs") / f"trace-{method}-{budget}"
+        directory = check_output_dir(out or Path("runs") / f"trace-{method}-{budget}")
         lm, tokenizer = _bad(load_model, model, device=device, dtype=dtype)
         config = GenerateConfig(max_new_tokens=max_new_tokens)
         item = samples[sample]

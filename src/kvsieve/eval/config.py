@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 # Config fields that change what a row contains: rows written under other values cannot be
@@ -251,6 +252,7 @@ class EvalConfig:
         ``settings`` lists every method of this run, ``{}`` meaning its defaults."""
         fields = {k: asdict(self)[k] for k in RESULT_FIELDS}
         fields["settings"] = {m: self.settings.get(m, {}) for m in self.methods if m != "full"}
+        fields["model_fingerprint"] = self.model_fingerprint
         if self.pin_commit:
             fields["source_commit"] = source_commit()
         if self.steering is not None:
@@ -259,6 +261,14 @@ class EvalConfig:
                 if split_steer(method)[1]:
                     fields["settings"][method] = {**fields["settings"][method], "steering": steering}
         return json.loads(json.dumps(fields, sort_keys=True))
+
+    @cached_property
+    def model_fingerprint(self) -> dict | None:
+        """The model's files (``kvsieve.models.checkpoint_fingerprint``), computed once: recorded in
+        ``run.json`` and every row, so a resume with another model under the same name is refused."""
+        from ..models import checkpoint_fingerprint
+
+        return checkpoint_fingerprint(self.model)
 
     def same_settings(self, label: str, before: dict[str, Any], now: dict[str, Any]) -> bool:
         """Whether method ``label`` runs the same under ``before`` and ``now`` (its settings as

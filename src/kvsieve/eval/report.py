@@ -66,10 +66,11 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..files import check_writable, write_atomic
 from .store import load_results, read_manifest
 
 Z95 = 1.959964  # two-sided 95% normal quantile
@@ -528,6 +529,7 @@ class Report:
     summaries: list[CellSummary]
     files: list[Path]
     manifest: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)  # "file:line: what is wrong" of each row left out
 
 
 def _header(rows: list[dict[str, Any]], sources: list["Source"]) -> str:
@@ -579,17 +581,19 @@ def reproduced_full(reference: list[dict[str, Any]], found: list[dict[str, Any]]
     return len(mine)
 
 
-def joined_rows(directory: Path, join: list[Path]) -> tuple[list[dict[str, Any]], list[Source]]:
+def joined_rows(directory: Path, join: list[Path], bad: list[str] | None = None) -> tuple[list[dict[str, Any]], list[Source]]:
     """Rows of ``directory`` and of each ``join`` directory, which must have been run with the same
     model, data and decoding (``JOIN_FIELDS`` of run.json) and hold no (method, budget) cell of another.
     ``full`` is the exception: each ``kvsieve eval`` directory has its own reference, so a joined
     directory's ``full`` must reproduce the first directory's text on every sample both hold
-    (``reproduced_full``: the runs' code decodes alike) and its rows are left out."""
+    (``reproduced_full``: the runs' code decodes alike) and its rows are left out.  ``bad``: as
+    ``load_results``'s (None: a bad row is an error)."""
     sources, rows, owner = [], [], {}
     for path in [directory, *join]:
-        found = load_results(path)
+        found = load_results(path, bad)
         if not found:
-            raise ValueError(f"no result rows in {path} (expected results*.jsonl written by `kvsieve eval`)")
+            first_bad = f"; every line is bad, the first: {bad[0]}" if bad else ""
+            raise ValueError(f"no result rows in {path} (expected results*.jsonl written by `kvsieve eval`){first_bad}")
         manifest = read_manifest(path)
         if sources:
             first = sources[0]
@@ -627,9 +631,12 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
     """Write ``report.md``, ``summary.csv`` and (with ``plots``) the PNG plots into ``directory``;
     ``common`` keeps only the samples every cell has (``common_rows``); ``join`` adds the cells of
     other results directories run with the same settings (``joined_rows``), e.g. a method run later
-    from its own pinned commit."""
+    from its own pinned commit.  A line of a results file that is no row is left out and named,
+    with its line number, in ``Report.skipped``."""
     directory = Path(directory)
-    rows, sources = joined_rows(directory, [Path(p) for p in join])
+    skipped: list[str] = []
+    rows, sources = joined_rows(directory, [Path(p) for p in join], skipped)
+    check_writable(directory, "report directory")
     if common:
         rows = common_rows(rows)
         if not rows:
@@ -637,7 +644,7 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
     manifest = sources[0].manifest
     summaries = summarize(rows)
     files = [directory / "summary.csv", directory / "report.md"]
-    write_csv(summaries, files[0])
+    write_atomic(files[0], lambda tmp: write_csv(summaries, tmp), "writing the summary")
     body = [_header(rows, sources), markdown_table(summaries), ""]
     wide = side_by_side_table(summaries)
     if wide is not None:
@@ -657,5 +664,5 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
         files += pngs
         body += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs] + [""]
     body += ["## Definitions", "", __doc__.split("Definitions (every number is computed from the rows alone):")[1].strip(), ""]
-    files[1].write_text("\n".join(body), encoding="utf-8")
-    return Report(directory, summaries, files, manifest)
+    write_atomic(files[1], "\n".join(body), "writing the report")
+    return Report(directory, summaries, files, manifest, skipped)

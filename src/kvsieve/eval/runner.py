@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import threading
 import time
 from contextlib import nullcontext
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TextIO
 
 from ..checks import InputError
 from ..data import Sample, load_dataset
@@ -99,7 +101,7 @@ def check_prompts(config: EvalConfig, samples: list[Sample], stored: dict[str, s
 def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv_heads: int) -> dict[str, Any]:
     return {"id": sample.id, "dataset": config.dataset, "model": config.model, "method": cell[0], "budget": cell[1],
             "settings": settings, "reference": sample.reference, "grader": sample.grader, "kv_heads": kv_heads,
-            "prompt_sha256": prompt_digest(sample)}
+            "prompt_sha256": prompt_digest(sample), "model_fingerprint": config.model_fingerprint}
 
 
 def _runtime(model) -> dict[str, Any]:
@@ -133,11 +135,14 @@ def _stat_fields(stat) -> dict[str, Any]:
 
 
 def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sample],
-              steering=None, on_row: RowCallback | None = None) -> list[dict[str, Any]]:
+              steering=None, on_row: RowCallback | None = None,
+              on_tokens: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Decode (or score) ``samples`` under ``cell``'s policy and return one graded row each.
 
     ``on_row(row)`` gets each row as soon as its sample is done (a sample that stops early is
     not held back until the whole batch has decoded), so the caller can store it at once.
+    ``on_tokens(n)`` is told of the tokens generated as the batch decodes (``n`` new ones at a
+    time, every few steps): progress while no row has ended yet.
 
     A steered cell (``<method>+steer``) decodes with ``steering`` (``make_steering``; built from
     ``config.steering`` when not given); other cells never steer."""
@@ -172,7 +177,8 @@ def run_batch(model, tokenizer, config: EvalConfig, cell: Cell, samples: list[Sa
         if on_row is not None:
             on_row(rows[index])
 
-    generate(model, tokenizer, [s.messages for s in samples], policy, gen_config,
+    streamed = None if on_tokens is None else lambda row, ids: on_tokens(len(ids))
+    generate(model, tokenizer, [s.messages for s in samples], policy, gen_config, on_token=streamed,
              hooks=[steering] if steered else [], on_finish=finished)
     return [rows[i] for i in range(len(samples))]
 
@@ -240,14 +246,114 @@ def cell_label(cell: Cell) -> str:
     return cell[0] if cell[1] is None else f"{cell[0]}@{cell[1]}"
 
 
-def _progress(enabled: bool):
+LOG_EVERY = 60.0  # seconds between LogLines' lines at most
+
+
+class Bars:
+    """Progress of a grid on a terminal: a rich bar per cell with its ETA."""
+
+    def __init__(self, work: list[tuple[Cell, list[Sample]]], samples: int):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.bar = Progress(TextColumn("[bold]{task.description:>18}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+        self.tasks = {cell: self.bar.add_task(cell_label(cell), total=samples, completed=samples - len(pending))
+                      for cell, pending in work}
+
+    def start(self, cell: Cell) -> None:
+        pass
+
+    def tokens(self, count: int) -> None:
+        pass
+
+    def rows(self, cell: Cell, count: int) -> None:
+        self.bar.advance(self.tasks[cell], count)
+
+    def __enter__(self) -> "Bars":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+
+class LogLines:
+    """Progress of a grid where stderr is no terminal (a log file, a pipe), where bars would stay
+    silent until the end: one line at least every ``every`` seconds while the grid runs (a timer
+    thread; a batch of 40 long answers writes no row for many minutes), and one as each cell starts:
+    the cell, its rows done of its rows, the rows of the whole grid, the tokens per second generated
+    in this run and the time left.  The time left is the rows left at the pace of the rows done in
+    this run; before the first row ends, at most the rows left times ``max_new_tokens`` at the
+    token rate (rows may stop early)."""
+
+    def __init__(self, work: list[tuple[Cell, list[Sample]]], samples: int, max_new_tokens: int,
+                 stream: TextIO | None = None, every: float = LOG_EVERY, clock: Callable[[], float] = time.monotonic):
+        self.samples, self.max_new_tokens, self.every, self.clock = samples, max_new_tokens, every, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.cell_done = {cell: samples - len(pending) for cell, pending in work}
+        self.total, self.done = samples * len(work), sum(self.cell_done.values())
+        self.rows_now, self.tokens_now = 0, 0  # rows and tokens of this run
+        self.cell: Cell | None = None
+        self.began = clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="kvsieve-eval-progress", daemon=True)
+
+    def start(self, cell: Cell) -> None:
+        self.cell = cell
+        self.print()
+
+    def tokens(self, count: int) -> None:
+        self.tokens_now += count
+
+    def rows(self, cell: Cell, count: int) -> None:
+        self.cell_done[cell] += count
+        self.done += count
+        self.rows_now += count
+
+    def line(self) -> str:
+        seconds = max(self.clock() - self.began, 1e-9)
+        rate = self.tokens_now / seconds
+        left = self.total - self.done
+        if self.rows_now:
+            eta = f"about {_duration(left * seconds / self.rows_now)} left"
+        elif rate > 0:
+            eta = f"at most {_duration(left * self.max_new_tokens / rate)} left"
+        else:
+            eta = "time left not known yet"
+        cell = "" if self.cell is None else f"{cell_label(self.cell)} {self.cell_done[self.cell]}/{self.samples} rows, "
+        return f"eval: {cell}all cells {self.done}/{self.total} rows, {rate:.1f} tokens/s, {eta}"
+
+    def print(self) -> None:
+        print(self.line(), file=self.stream, flush=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self.print()
+
+    def __enter__(self) -> "LogLines":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc[0] is None:
+            self.print()
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{seconds:.0f} s" if seconds < 90 else f"{minutes} min" if minutes < 120 else f"{minutes / 60:.1f} h"
+
+
+def progress_reporter(enabled: bool, work, samples: int, config: EvalConfig) -> "Bars | LogLines | nullcontext":
+    """Bars on a terminal, log lines elsewhere (``LogLines``), nothing when not ``enabled``."""
     if not enabled:
         return nullcontext(None)
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
-    return Progress(TextColumn("[bold]{task.description:>18}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    if sys.stderr.isatty():
+        return Bars(work, samples)
+    return LogLines(work, samples, config.max_new_tokens, every=LOG_EVERY)
 
 
 def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = True, use_ray: bool = False,
@@ -275,28 +381,26 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
         steering = None
         if not use_ray and any(split_steer(cell[0])[1] and pending for cell, pending in work):
             steering = make_steering(config, model)  # another model's vector fails here, before any batch
-        with _progress(progress) as bar:
-            tasks = {}
-            if bar is not None:
-                for cell, pending in work:
-                    tasks[cell] = bar.add_task(cell_label(cell), total=len(samples),
-                                               completed=len(samples) - len(pending))
+        with progress_reporter(progress, work, len(samples), config) as report:
 
             def write(cell: Cell, rows: list[dict[str, Any]]) -> None:
                 for row in rows:
                     row["time"] = round(time.time(), 3)
                     if store.append(row) and on_row is not None:
                         on_row(row)
-                if bar is not None:
-                    bar.advance(tasks[cell], len(rows))
+                if report is not None:
+                    report.rows(cell, len(rows))
 
             if use_ray:
                 from .ray_backend import run_on_ray
 
                 run_on_ray(config, work, write, address=ray_address, num_gpus=ray_gpus, init=ray_init)
             else:
+                tokens = None if report is None else report.tokens
                 for cell, pending in work:
+                    if pending and report is not None:
+                        report.start(cell)
                     for batch in batches(pending, config.batch_size):  # rows stored as each sample ends
                         run_batch(model, tokenizer, config, cell, batch, steering,
-                                  on_row=lambda row, cell=cell: write(cell, [row]))
+                                  on_row=lambda row, cell=cell: write(cell, [row]), on_tokens=tokens)
     return store

@@ -107,10 +107,11 @@ def importance(idle: torch.Tensor, mri: torch.Tensor, form: str = "text") -> tor
 
 def read_window(path: str) -> int:
     """W saved by ``kvsieve analyze mri`` (its ``recommended_window``, the 80% MRI threshold)."""
+    from ..files import read_text
+
     try:
-        with open(path) as f:
-            return int(json.load(f)["recommended_window"])
-    except (OSError, KeyError, TypeError, ValueError) as err:
+        return int(json.loads(read_text(path))["recommended_window"])
+    except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"lazy window='auto' reads 'recommended_window' from {path!r}, written by "
                          f"`kvsieve analyze mri --out {path}`; run it first or set an integer window ({err!r})") from None
 

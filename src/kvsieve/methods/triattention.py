@@ -112,6 +112,14 @@ class QueryStats:
                              f"{tuple(self.q_abs_mean.shape)}, inv_freq {tuple(self.inv_freq.shape)}")
         if self.num_kv_heads < 1 or H % self.num_kv_heads:
             raise ValueError(f"{H} query heads do not split into {self.num_kv_heads} kv heads")
+        for name in ("q_mean", "q_abs_mean", "inv_freq"):
+            bad = int((~torch.isfinite(getattr(self, name))).sum())
+            if bad:
+                raise ValueError(f"TriAttention statistics have {bad} of {getattr(self, name).numel()} values in {name} "
+                                 f"that are not finite (nan or inf); calibrate again ({STATS_HINT})")
+        if not math.isfinite(self.attention_scaling):
+            raise ValueError(f"TriAttention statistics have attention_scaling {self.attention_scaling}, not finite; "
+                             f"calibrate again ({STATS_HINT})")
 
     def save(self, path: str | Path) -> None:
         torch.save({"kind": "kvsieve-triattention-stats", **asdict(self)}, path)
@@ -123,15 +131,28 @@ class QueryStats:
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or data.pop("kind", None) != "kvsieve-triattention-stats" or set(data) != names:
             raise ValueError(f"{path} is not a TriAttention statistics file; {STATS_HINT}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
     def check(self, model, source: str | Path = "") -> "QueryStats":
         """Refuse statistics calibrated on another model (by name and shape); returns ``self``."""
         other = other_model(self.model_name, self.fingerprint, model)
+        where = f" {source}" if source else ""
         if other:
-            where = f" {source}" if source else ""
             raise StatsModelError(f"TriAttention statistics{where} were {other}; calibrate this model (kvsieve "
                                   "calibrate triattention --model ...)")
+        c = model.config
+        L, H, F, _ = self.q_mean.shape
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        have, want = (L, H, self.num_kv_heads, 2 * F), (c.num_hidden_layers, c.num_attention_heads, kv_heads, head_dim)
+        if have != want:
+            shape = "{} layers, {} query heads, {} kv heads, head dim {}"
+            raise StatsModelError(f"TriAttention statistics{where} hold {shape.format(*have)}; the model has "
+                                  f"{shape.format(*want)}; calibrate this model (kvsieve calibrate triattention "
+                                  "--model ...)")
         return self
 
 
