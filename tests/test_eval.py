@@ -1011,3 +1011,23 @@ def test_cli_eval_steering_errors_name_the_fix(smollm, gsm_file, steering_files,
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "built for Other-7B" in text and f"not for {model_name(smollm[0])}" in text
     assert load_results(tmp_path) == []
+
+
+def test_a_file_setting_is_pinned_by_its_sha256_not_its_path(tmp_path):
+    """Issue 51: run.json names TriAttention's statistics by content, so the same file elsewhere
+    resumes and another file under the same path does not."""
+    import hashlib
+
+    first, moved = tmp_path / "a" / "stats.pt", tmp_path / "b" / "stats.pt"
+    for path in (first, moved):
+        path.parent.mkdir()
+        path.write_bytes(b"statistics")
+    config = lambda path: EvalConfig(model="m", dataset="gsm8k", out="x", methods=("triattention",), budgets=(64,),
+                                     settings={"triattention": {"stats": str(path)}})
+    want = "sha256:" + hashlib.sha256(b"statistics").hexdigest()
+    recorded = config(first).result_fields()["settings"]["triattention"]
+    assert recorded == {"stats": want} and str(first) not in json.dumps(recorded)
+    assert config(moved).result_fields()["settings"]["triattention"] == recorded
+    moved.write_bytes(b"other statistics")
+    now = config(moved).result_fields()["settings"]["triattention"]
+    assert not config(moved).same_settings("triattention", recorded, now)

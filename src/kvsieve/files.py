@@ -192,3 +192,25 @@ def write_atomic(path: str | os.PathLike, data: str | bytes | Callable[[Path], o
             tmp.unlink(missing_ok=True)
         raise output_error(err, path, doing) from None
     return path
+
+
+# A setting that names a file is recorded by its content, not its path: ``sha256:`` and the digest
+FILE_DIGEST = "sha256:"
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """``sha256:<hex>`` of the file's bytes, read in 1 MiB blocks."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return FILE_DIGEST + digest.hexdigest()
+
+
+def pinned_by_content(settings: dict) -> dict:
+    """``settings`` with every value that names an existing file (TriAttention's ``stats=FILE``)
+    replaced by its ``file_digest``, so a record of them says what ran wherever the file lies."""
+    return {k: file_digest(v) if isinstance(v, str) and "\n" not in v and Path(v).is_file() else v
+            for k, v in settings.items()}

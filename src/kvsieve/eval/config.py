@@ -249,9 +249,12 @@ class EvalConfig:
 
     def result_fields(self) -> dict[str, Any]:
         """The fields that must agree for rows to share a results directory (JSON-normalised);
-        ``settings`` lists every method of this run, ``{}`` meaning its defaults."""
+        ``settings`` lists every method of this run, ``{}`` meaning its defaults; a setting that names
+        a file (TriAttention's statistics) is recorded by its sha256 (``files.pinned_by_content``)."""
+        from ..files import pinned_by_content
+
         fields = {k: asdict(self)[k] for k in RESULT_FIELDS}
-        fields["settings"] = {m: self.settings.get(m, {}) for m in self.methods if m != "full"}
+        fields["settings"] = {m: pinned_by_content(self.settings.get(m, {})) for m in self.methods if m != "full"}
         fields["model_fingerprint"] = self.model_fingerprint
         if self.pin_commit:
             fields["source_commit"] = source_commit()
@@ -280,9 +283,15 @@ class EvalConfig:
             return True
         if before.get("steering") != now.get("steering"):
             return False
+        from ..files import FILE_DIGEST
+
+        files = {k for k, v in now.items() if isinstance(v, str) and v.startswith(FILE_DIGEST)}
+        if any(before.get(k) != now[k] for k in files):  # another file's content
+            return False
         method = split_steer(label)[0]
         budgets = [budget for cell_label, budget in self.cells() if cell_label == label] or [None]
-        own = [{k: v for k, v in settings.items() if k != "steering"} for settings in (before, now)]
+        own = [{k: self.settings.get(label, {}).get(k, v) if k in files else v for k, v in settings.items()
+                if k != "steering"} for settings in (before, now)]
         try:
             first, second = ([make_policy(method, budget=b, **s).settings() for b in budgets] for s in own)
         except ValueError:  # settings that no longer build a policy are a change
