@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..attention import window_attention
-from ..policy import (HEAD_REDUCTIONS, About, Defaults, Scorer, check_choice, pool_along_sequence, reduce_group,
-                      register)
+from ..policy import About, Defaults, Scorer, check_choice, register
+from ._common import HEAD_REDUCTIONS, pool_along_sequence, reduce_group
 from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, unit_keys
 
 
