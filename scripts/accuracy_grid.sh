@@ -34,6 +34,12 @@
 #   5  TriAttention at stage 2's problems, budget and length, from stage 4's pin, with the same statistics
 #      (calibrated on GSM8K-train: its transfer to MATH-500 is part of what this cell shows); its rows join
 #      stage 2's report. Run after stage 2: scripts/accuracy_grid.sh start 1 2 5
+#   6  Issue 51's official defaults at stage 1's problems, budget and length, from their own pin
+#      (PIN-official): R-KV as its official code runs it (prompt compressed at prefill and competing,
+#      lambda 0.07, the group max of logits over the keys before the window), labelled rkv+official; full on 10 samples only
+#      (--reference-limit: the report joins these rows to stage 1's, whose full is the reference, and
+#      checks that full decodes the same 10 texts at both pins); rows stop at an invented next turn
+#   7  the same at stage 2's problems, budget and length (joins stage 2's report)
 #
 # Settings that are not a method's default, each the setting of the comparison its paper makes:
 #   tova      prefill_block=true: CAOTE compares with its bases under block-wise prefill (Table 10)
@@ -77,6 +83,11 @@ PROTECT_SET="$SEED_PROTECT_SET --set rkv+competes.protect_prompt=false"
 MATH_SET="--set tova.prefill_block=true --set lazy.window=52 --set lazy+protect.window=52 --set h2o.recent=52
           $LAGKV_SET $SEED_PROTECT_SET"
 
+# Issue 51's R-KV defaults, spelled out so that run.json names them (rkv and rkv+competes of stages 1 and 2
+# ran R-KV's defaults before issue 51: prompt kept, lambda 0.1, the group mean of probabilities over all keys)
+OFFICIAL_SET="--set rkv+official.protect_prompt=false --set rkv+official.mix_lambda=0.07
+              --set rkv+official.head_reduction=max-logits --set rkv+official.window_keys=false"
+
 stage_args() {  # stage -> its eval arguments
   case $1 in
     1) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
@@ -91,7 +102,12 @@ stage_args() {  # stage -> its eval arguments
     5) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
              --max-new-tokens 768 --methods triattention --set triattention.stats=$TRI_STATS
              --out $GRID/stage5-math500-b256-triattention" ;;
-    *) echo "unknown stage $1 (1, 2, 3, 4 or 5)" >&2; return 1 ;;
+    6) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
+             --methods rkv+official $OFFICIAL_SET --reference-limit 10 --out $GRID/stage6-gsm8k-b128-official" ;;
+    7) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
+             --max-new-tokens 768 --methods rkv+official $OFFICIAL_SET --reference-limit 10
+             --out $GRID/stage7-math500-b256-official" ;;
+    *) echo "unknown stage $1 (1 to 7)" >&2; return 1 ;;
   esac
 }
 
@@ -99,12 +115,20 @@ tri_pinned() {  # stage -> true for the stages that run TriAttention from its ow
   [[ $1 == [45] ]]
 }
 
+official_pinned() {  # stage -> true for the stages of issue 51's official defaults (6 and 7)
+  [[ $1 == [67] ]]
+}
+
 pin_of() {  # stage -> the file holding its pinned commit
-  if tri_pinned "$1"; then echo "$GRID/PIN-triattention"; else echo "$GRID/PIN"; fi
+  if tri_pinned "$1"; then echo "$GRID/PIN-triattention"
+  elif official_pinned "$1"; then echo "$GRID/PIN-official"
+  else echo "$GRID/PIN"; fi
 }
 
 tree_of() {  # stage -> the worktree it runs from
-  if tri_pinned "$1"; then echo "$GRID_TREE-triattention"; else echo "$GRID_TREE"; fi
+  if tri_pinned "$1"; then echo "$GRID_TREE-triattention"
+  elif official_pinned "$1"; then echo "$GRID_TREE-official"
+  else echo "$GRID_TREE"; fi
 }
 
 tree() {  # stage -> its pinned worktree, made on first use
@@ -140,11 +164,13 @@ run_stage() {
   echo "$(date -u +%FT%TZ) stage $1: done"
 }
 
-report_stage() {  # stage dir, the dir whose cells join it (or ""), report args
+report_stage() {  # stage dir, the dirs whose cells join it (space-separated, or ""), report args
   local dir=$1 joined=$2 join=()
   shift 2
   [[ -d $dir ]] || return 0
-  [[ -n $joined && -d $joined ]] && join=(--join "$joined")
+  for j in $joined; do  # a joined stage that has not written a row yet (stage 5 before it runs) is left out
+    compgen -G "$j/results*.jsonl" > /dev/null && join+=(--join "$j")
+  done
   "$PYTHON" -m kvsieve.eval report "$dir" "${join[@]}" "$@"
 }
 
@@ -152,6 +178,9 @@ case ${1:-run} in
   pin)
     [[ -n ${2:-} ]] || { echo "usage: $0 pin COMMIT" >&2; exit 2; }
     mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN && cat $GRID/PIN ;;
+  pin-official)
+    [[ -n ${2:-} ]] || { echo "usage: $0 pin-official COMMIT" >&2; exit 2; }
+    mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN-official && cat $GRID/PIN-official ;;
   pin-tri)
     [[ -n ${2:-} ]] || { echo "usage: $0 pin-tri COMMIT" >&2; exit 2; }
     mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN-triattention && cat $GRID/PIN-triattention ;;
@@ -171,7 +200,7 @@ case ${1:-run} in
         echo "WARNING: eval $pid writes to a deleted results file (stashed or cleaned?): copy /proc/$pid/fd/N back before it ends"
       fi
     done
-    for s in 1 2 3 4 5; do
+    for s in 1 2 3 4 5 6 7; do
       # shellcheck disable=SC2046  # stage_args is a word list
       "$PYTHON" - "$s" $(stage_args "$s") <<'PY'
 import collections, pathlib, sys
@@ -181,18 +210,22 @@ arg = lambda flag: args[args.index(flag) + 1]
 out, limit = pathlib.Path(arg("--out")), int(arg("--limit"))
 methods = ["full"] + [m for m in arg("--methods").split(",") if m != "full"]  # eval adds full
 rows = collections.Counter(r["method"] for r in load_results(out)) if out.is_dir() else collections.Counter()
-done = sum(min(rows[m], limit) for m in methods)
-cells = sum(rows[m] >= limit for m in methods)
-todo = [m for m in methods if rows[m] < limit]
-print(f"stage {stage} ({out.name}): {cells}/{len(methods)} cells, {done}/{limit * len(methods)} rows"
-      + (f"; next: {', '.join(f'{m} ({rows[m]}/{limit})' for m in todo)}" if todo else "; complete"))
+ref = int(arg("--reference-limit")) if "--reference-limit" in args else limit  # full's samples
+want = {m: min(limit, ref) if m == "full" else limit for m in methods}
+done = sum(min(rows[m], want[m]) for m in methods)
+cells = sum(rows[m] >= want[m] for m in methods)
+todo = [m for m in methods if rows[m] < want[m]]
+print(f"stage {stage} ({out.name}): {cells}/{len(methods)} cells, {done}/{sum(want.values())} rows"
+      + (f"; next: {', '.join(f'{m} ({rows[m]}/{want[m]})' for m in todo)}" if todo else "; complete"))
 PY
     done ;;
   report)
     shift || true
-    report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention" "$@"
-    report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention" "$@"
-    report_stage "$GRID/stage3-gsm8k-b64" "" "$@" ;;
+    report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention $GRID/stage6-gsm8k-b128-official" "$@"
+    report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention $GRID/stage7-math500-b256-official" "$@"
+    report_stage "$GRID/stage3-gsm8k-b64" "" "$@"
+    # the README's and docs/results.md's tables and figures, from the new summary.csv and report.md
+    "$PYTHON" scripts/grid_docs.py ;;
   *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status | report [ARG..]" >&2
      exit 2 ;;
 esac

@@ -37,7 +37,7 @@ def test_filled_session_is_prefilled_through_the_session_and_decoding_adds_more(
 
 
 def test_a_method_that_protects_its_prompt_is_timed_compressing(model):
-    """rkv keeps its prompt by default; the bench's filled tokens stand for generated ones, so its
+    """With its prompt protected (triattention, or rkv+protect) a method would never compress here; the bench's filled tokens stand for generated ones, so its
     timed compression must actually evict (before, the protected fill was never compressed)."""
     from kvsieve.bench.overhead import _Timed
 

@@ -58,6 +58,19 @@ def test_cells_run_full_once_first():
     assert config.cells() == [("full", None), ("tova", 256), ("tova", 128), ("h2o", 256), ("h2o", 128)]
 
 
+def test_reference_limit_runs_full_on_the_first_samples_only():
+    from kvsieve.data import Sample
+    from kvsieve.eval.runner import pending_work
+
+    samples = [Sample(id=str(i), messages=[{"role": "user", "content": "q"}], reference="1", grader="gsm8k")
+               for i in range(5)]
+    config = EvalConfig(model="m", dataset="gsm8k", out="unused", methods=("tova",), budgets=(64,), reference_limit=2)
+    work = {cell: [s.id for s in pending] for cell, pending in pending_work(config, samples, {("0", "full", None)})}
+    assert work == {("full", None): ["1"], ("tova", 64): ["0", "1", "2", "3", "4"]}
+    with pytest.raises(ValueError, match="reference_limit must be >= 1"):
+        EvalConfig(model="m", dataset="gsm8k", out="unused", reference_limit=0)
+
+
 def test_cells_take_wrappers_and_budget_fitted_methods():
     config = EvalConfig(model="m", dataset="gsm8k", out="x", methods=("caote:tova", "lagkv"), budgets=(64,))
     assert config.cells() == [("full", None), ("caote:tova", 64), ("lagkv", 64)]
@@ -447,7 +460,53 @@ def test_summary_numbers():
     assert t128.peak_kv_mib == 2.0 and full.max_peak_kv_mib == pytest.approx(2.9)
     # paired with full: tova@64 lost samples 6 and 7 and gained none; p = 2 * (1/2)^2
     assert (t64.lost, t64.gained, t64.paired_p) == (2, 0, 0.5) and (t128.lost, t128.gained, t128.paired_p) == (0, 0, 1.0)
-    assert full.lost is None and "-2/+0 (0.5)" in markdown_table([full, t64])
+    # Holm over the vs-full column {0.5, 1.0}: 2 x 0.5 = 1, then max(1, 1 x 1.0) = 1
+    assert (t64.paired_p_holm, t128.paired_p_holm) == (1.0, 1.0)
+    assert full.lost is None and "-2/+0 (0.5; Holm 1)" in markdown_table([full, t64])
+    # the budget is the whole bound when the prompt competes; full and no-budget cells have none
+    assert (full.effective_budget, t64.effective_budget, t128.effective_budget) == (None, 64, 128)
+    # tova@64: 6 both right, 2 lost, none gained, 2 neither: -20 points, an interval that holds 0
+    # as McNemar's p of 0.5 says (-0.47 to +0.11)
+    assert t64.diff_vs_full == pytest.approx(-0.2) and t64.diff_low < -0.2 < 0 < t64.diff_high
+
+
+def test_holm_adjustment_against_a_hand_computed_family():
+    """Four p-values: sorted 0.005, 0.01, 0.03, 0.04 are multiplied by 4, 3, 2, 1 (0.02, 0.03,
+    0.06, 0.04) and made non-decreasing (the last becomes 0.06); results in the input order."""
+    from kvsieve.eval.report import holm
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
+    assert holm([0.2]) == [0.2] and holm([]) == []
+
+
+def test_paired_difference_interval_against_a_hand_computed_case():
+    """Newcombe's method 10 on the grid's Expected Attention against full (stage 1): 49 both right,
+    4 gained, 8 lost, 39 neither.  By hand: accuracies 0.53 and 0.57, Wilson intervals
+    0.43289-0.62489 and 0.47215-0.66267; ad - bc = 1879 > n/2, so phi = (1879 - 50) /
+    sqrt(53 * 47 * 57 * 43) = 0.74021; delta^2 = 0.09711^2 - 2 phi 0.09711 0.09267 + 0.09267^2 =
+    0.0046960, eps^2 = 0.09489^2 - 2 phi 0.09489 0.09785 + 0.09785^2 = 0.0048323: -0.04 - 0.06853
+    and -0.04 + 0.06952."""
+    from kvsieve.eval.report import paired_difference_interval
+
+    pairs = [(True, True)] * 49 + [(False, True)] * 4 + [(True, False)] * 8 + [(False, False)] * 39
+    difference, low, high = paired_difference_interval(pairs)
+    assert difference == pytest.approx(-0.04) and low == pytest.approx(-0.1085, abs=2e-4)
+    assert high == pytest.approx(0.0295, abs=2e-4)
+    # 0 lost and 4 gained of 50 (stage 2's Expected Attention): exact McNemar p 0.125, and the
+    # interval, unlike the Wald interval (0.005 to 0.155), does not exclude 0
+    pairs = [(True, True)] * 14 + [(False, True)] * 4 + [(False, False)] * 32
+    difference, low, high = paired_difference_interval(pairs)
+    assert difference == pytest.approx(0.08) and low < 0 < high
+    # no discordant pair: the interval still has width, around 0
+    difference, low, high = paired_difference_interval([(True, True)] * 5 + [(False, False)] * 5)
+    assert difference == 0 and low < 0 < high
+
+
+def test_effective_budget_counts_a_kept_prompt():
+    rows = [{"id": str(i), "method": "tova", "budget": 64, "correct": True, "prompt_tokens": 100 + 10 * i,
+             "settings": {"protect_prompt": True}, "generated_tokens": 5, "peak_kv_bytes": 1} for i in range(3)]
+    assert summarize(rows)[0].effective_budget == 64 + 110
 
 
 def test_at_cap_counts_the_rows_that_ran_to_the_token_limit():
@@ -500,7 +559,7 @@ def test_cells_pair_with_random_at_their_budget_and_say_the_prompts_fate():
     assert rnd.random_lost is None and t128.random_lost is None  # no random cell at 128
     assert (t64.prompt, t128.prompt, cells["full"].prompt) == ("competes", "kept", None)
     columns, table = table_rows([t64, t128])
-    assert table[0][columns.index("vs random (p)")] == "-1/+3 (0.62)"
+    assert table[0][columns.index("vs random (p; Holm)")] == "-1/+3 (0.62; Holm 0.62)"  # one comparison: Holm p = p
     assert [row[columns.index("prompt")] for row in table] == ["competes", "kept"]
 
 
@@ -658,10 +717,12 @@ def test_pairwise_table_pairs_every_two_cells_on_the_samples_both_graded():
     lines = pairwise_table(rows, summarize(rows)).splitlines()
     assert lines[0] == "| | h2o@64 | full | tova@64 |"  # by accuracy: 9/11, 8/10, 2/10
     by_row = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ")[1:] for line in lines[2:]}
-    assert by_row["full"][0] == f"1/1 ({p_exact(1, 1):.2g})"  # id 0 for full, id 8 for h2o; id 10 not shared
-    assert by_row["full"][2] == f"**6/0 ({p_exact(6, 0):.2g})**" and p_exact(6, 0) < 0.05  # ids 2-7
-    assert by_row["tova@64"][1] == f"**0/6 ({p_exact(0, 6):.2g})**"
-    assert by_row["h2o@64"][2] == f"7/1 ({p_exact(7, 1):.2g})" and p_exact(7, 1) > 0.05  # ids 2-8 vs id 0
+    # Holm over the three pairs: p 0.031 (full/tova), 0.07 (h2o/tova), 1 (h2o/full) -> 0.094, 0.14, 1
+    p_ft, p_ht = p_exact(6, 0), p_exact(7, 1)
+    assert by_row["full"][0] == f"1/1 ({p_exact(1, 1):.2g}; Holm 1)"  # id 0 for full, id 8 for h2o; id 10 not shared
+    assert by_row["full"][2] == f"6/0 ({p_ft:.2g}; Holm {3 * p_ft:.2g})" and p_ft < 0.05 < 3 * p_ft  # ids 2-7
+    assert by_row["tova@64"][1] == f"0/6 ({p_ft:.2g}; Holm {3 * p_ft:.2g})"  # not bold: beyond chance only raw
+    assert by_row["h2o@64"][2] == f"7/1 ({p_ht:.2g}; Holm {2 * p_ht:.2g})" and p_ht > 0.05  # ids 2-8 vs id 0
     assert [by_row[k][i] for i, k in enumerate(["h2o@64", "full", "tova@64"])] == ["-"] * 3
     assert pairwise_table(rows, summarize(rows), max_cells=2) is None
     only_full = [r for r in rows if r["method"] == "full"]
@@ -678,10 +739,10 @@ def test_report_files(tmp_path):
     for png in tmp_path.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     md = (tmp_path / "report.md").read_text()
-    assert "tiny on gsm8k" in md and "| tova | 64 | competes | 10 | 0.600 | 0.31-0.83 | 75% |" in md
+    assert "tiny on gsm8k" in md and "| tova | 64 | 64 | competes | 10 | 0.600 | 0.31-0.83 | 75% |" in md
     assert "## Side by side" in md and "| tova | 8/10 | -0/+0 (1) |" in md
     assert "## Every two cells, paired" in md
-    assert "| full | - | 0/0 (1) | 2/0 (0.5) |" in md  # full and tova@128 right on ids 0-7, tova@64 on 0-5
+    assert "| full | - | 0/0 (1; Holm 1) | 2/0 (0.5; Holm 1) |" in md  # full and tova@128 right on ids 0-7, tova@64 on 0-5
     csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,budget,n,correct,accuracy,ci_low,ci_high,retained") and len(csv_lines) == 4
     with pytest.raises(ValueError, match="no result rows"):

@@ -35,8 +35,11 @@ BUDGETS = (64, 96)
 WRAPPED_BASE = "tova"
 SELF_SIZED = ({"lag": 16, "ratio": 0.25}, {"lag": 32, "ratio": 0.5})  # LagKV and its variants: (L, r) settings
 # Defaults changed since the pin, run as they were when the tokens were recorded: lazy's and raas's
-# alpha now follows the model's family ("auto": 5e-4 on SmolLM2, a Llama model); the pin had "qwen2"
-RECORDED_DEFAULTS = {"lazy": {"family": "qwen2"}, "raas": {"family": "qwen2"}}
+# alpha now follows the model's family ("auto": 5e-4 on SmolLM2, a Llama model); the pin had "qwen2".
+# rkv follows the official code since issue 51 (prompt compressed, lambda 0.07, group max of logits over
+# the keys before the window); the pin kept the prompt, lambda 0.1, group mean of probabilities, all keys
+RECORDED_DEFAULTS = {"lazy": {"family": "qwen2"}, "raas": {"family": "qwen2"},
+                     "rkv": {"protect_prompt": True, "mix_lambda": 0.1, "head_reduction": "mean", "window_keys": True}}
 DEFAULT_TIER = {("eager", "tova", 64), ("eager", "lazy", 64), ("eager", "caote:tova", 96), ("hf", "tova", 64),
                 ("eager", "tova+protect", 96)}
 

@@ -233,3 +233,29 @@ def test_key_answer(text, reference, expected):
 def test_exact_grades_the_pass_key_not_the_first_number():
     g = grade("exact", "In 2 steps: the pass key is 71432", "71432")
     assert g.extracted == "71432" and g.correct
+
+
+# ---------------------------------------------------------------------------- an invented next turn (issue 51)
+def test_a_box_inside_an_invented_next_turn_is_not_the_answer():
+    # the shape of the grid's rows: the answer, then a made-up "Human:" turn the model answers itself
+    text = ("So he makes 9 * 2 = \\boxed{18} dollars.Human: A certain number of students are in a class. "
+            "How many?\n\nAssistant: There are \\boxed{30} students.")
+    assert grade("gsm8k", text, "18").correct
+    assert grade("gsm8k", text, "18").extracted == "18"
+    assert not grade("gsm8k", text, "30").correct
+
+
+def test_an_answer_cut_by_the_token_limit_inside_the_invented_turn_ended_at_the_turn():
+    # the row ran to the limit only because it went on past its answer: graded as one that ended
+    # there, so the fallback (the last number) counts
+    text = "He has 17 + 5 * 6 = 47 sheep.Human: Now tell me how many goats"
+    assert grade("gsm8k", text, "47", truncated=True).correct
+    assert not grade("gsm8k", "He has 17 + 5 * 6 = 47 sheep and", "47", truncated=True).correct
+
+
+def test_eval_stops_decoding_at_the_next_turn_markers():
+    from kvsieve.eval.config import EvalConfig
+    from kvsieve.grading import NEXT_TURN_MARKERS
+
+    assert "Human:" in NEXT_TURN_MARKERS
+    assert EvalConfig(model="smollm2-135m", dataset="gsm8k", out="unused").generate_config().stop_strings == NEXT_TURN_MARKERS

@@ -398,7 +398,26 @@ def test_keydiff_score_is_negated_cosine_to_the_mean_of_normalised_live_keys():
 # ============================================================================ rkv
 
 
+def rkv_redundancy_reference(built: Built, b: int, h: int, threshold: float | None) -> list[float]:
+    """Official ``cal_similarity``: pairwise cosine, each row's latest partner above ``threshold``
+    set to 0, mean over rows, softmax over tokens."""
+    keys = live_keys(built, b, h)
+    n = len(keys)
+    cos = [[0.0 if i == j else float(F.cosine_similarity(keys[i], keys[j], dim=0)) for j in range(n)]
+           for i in range(n)]
+    if threshold is not None:
+        for i in range(n):
+            partners = [j for j in range(n) if j != i and cos[i][j] > threshold]
+            if partners:
+                cos[i][max(partners)] = 0.0
+    mean_sim = [sum(cos[i][j] for i in range(n) if i != j) / (n - 1) for j in range(n)]
+    z = sum(math.exp(s) for s in mean_sim)
+    return [math.exp(s) / z for s in mean_sim]
+
+
 def rkv_reference(built: Built, window: int, kernel: int, lam: float, threshold: float | None = 0.5) -> list:
+    """kvsieve's reading before issue 51 (head_reduction="mean", window_keys=True): per query head a
+    softmax over every key the query sees, averaged over the window, then over the group."""
     exp = [[{} for _ in range(HKV)] for _ in range(B)]
     for b in range(B):
         for h in range(HKV):
@@ -406,42 +425,79 @@ def rkv_reference(built: Built, window: int, kernel: int, lam: float, threshold:
             rows = window_votes(built, window, b, h)
             importance = [sum(sum(r.get(p, 0.0) for r in rows[hq]) / len(rows[hq]) for hq in rows) / G for p in live]
             importance = pool(importance, kernel, "max")
-            keys = live_keys(built, b, h)
-            n = len(keys)
-            cos = [[0.0 if i == j else float(F.cosine_similarity(keys[i], keys[j], dim=0)) for j in range(n)]
-                   for i in range(n)]
-            if threshold is not None:  # official cal_similarity: each row's latest partner above threshold -> 0
-                for i in range(n):
-                    partners = [j for j in range(n) if j != i and cos[i][j] > threshold]
-                    if partners:
-                        cos[i][max(partners)] = 0.0
-            mean_sim = [sum(cos[i][j] for i in range(n) if i != j) / (n - 1) for j in range(n)]
-            z = sum(math.exp(s) for s in mean_sim)
-            redundancy = [math.exp(s) / z for s in mean_sim]
+            redundancy = rkv_redundancy_reference(built, b, h, threshold)
             exp[b][h] = {p: lam * i - (1 - lam) * r for p, i, r in zip(live, importance, redundancy)}
+    return exp
+
+
+def rkv_official_reference(built: Built, window: int, kernel: int, lam: float, threshold: float | None = 0.5) -> list:
+    """The official ``R1KV.update_kv`` by hand: logits q.k * scale of each window query, the max over
+    the query group (``compute_attention_scores(pooling="max")``), a softmax over the keys before the
+    window only (``attn_weights[..., -window:, :-window]``), the mean over the window's queries and a
+    max-pool.  The official pool runs over the tokens before the window, padded with -inf; here the
+    window's tokens count 0 in the pool over every live token, which gives the same value for every
+    token before the window (probabilities are >= 0) and scores the window (always kept) by its
+    neighbours."""
+    exp = [[{} for _ in range(HKV)] for _ in range(B)]
+    for b in range(B):
+        queries = window_queries(built, window, b)  # [(q [HQ, D], pos)]
+        oldest = min(pos for _, pos in queries)
+        for h in range(HKV):
+            live = live_positions(built, b, h)
+            before = [(p, k) for p, k in zip(live, live_keys(built, b, h)) if p < oldest]
+            sums = {p: 0.0 for p in live}
+            for q, _ in queries:
+                logits = [max(float(k @ q[hq]) * SCALE for hq in range(h * G, (h + 1) * G)) for _, k in before]
+                z = sum(math.exp(x) for x in logits)
+                for (p, _), x in zip(before, logits):
+                    sums[p] += math.exp(x) / z / len(queries)
+            pooled = pool([sums[p] for p in live], kernel, "max")
+            official = pool([sums[p] for p, _ in before], kernel, "max")  # over the tokens before the window
+            assert pooled[: len(before)] == official
+            redundancy = rkv_redundancy_reference(built, b, h, threshold)
+            exp[b][h] = {p: lam * i - (1 - lam) * r for p, i, r in zip(live, pooled, redundancy)}
     return exp
 
 
 @pytest.mark.parametrize("lam,threshold", [(0.1, 0.5), (0.6, 0.5), (0.1, 0.2), (0.1, None)])
 def test_rkv_score_is_lambda_importance_minus_weighted_redundancy(lam, threshold):
-    scorer = RKV(window=4, kernel=3, mix_lambda=lam, partner_threshold=threshold)
+    scorer = RKV(window=4, kernel=3, mix_lambda=lam, partner_threshold=threshold, head_reduction="mean",
+                 window_keys=True)
     built = build(8, window=4)  # ragged heads with dead slots
     want = rkv_reference(built, 4, 3, lam, threshold)
     assert_live_scores(built, scorer.score(built.layer, built.seen), want, atol=1e-6)
 
 
-def test_rkv_defaults_window_8_kernel_7_and_redundancy_is_a_distribution_over_live_tokens():
+@pytest.mark.parametrize("seed,lam", [(8, 0.07), (11, 0.5)])
+def test_rkv_official_importance_is_the_group_max_of_logits_softmaxed_over_keys_before_the_window(seed, lam):
+    built = build(seed, window=4, n_decode=3)  # the window: the last prefill query and three decode steps
+    scorer = RKV(window=4, kernel=3, mix_lambda=lam)
+    assert_live_scores(built, scorer.score(built.layer, built.seen), rkv_official_reference(built, 4, 3, lam),
+                       atol=1e-6)
+    # and it is not the earlier reading: the official formula moves the scores
+    old = RKV(window=4, kernel=3, mix_lambda=lam, head_reduction="mean", window_keys=True)
+    assert not torch.allclose(scorer.score(built.layer, built.seen), old.score(built.layer, built.seen), atol=1e-4)
+
+
+def test_rkv_defaults_follow_the_official_code():
     scorer = RKV()
-    assert (scorer.window, scorer.kernel, scorer.mix_lambda, scorer.needs.query_window) == (8, 7, 0.1, 8)
+    # official R1KV(window_size=8, kernel_size=7, mix_lambda=0.07); compute_attention_scores(pooling="max")
+    assert (scorer.window, scorer.kernel, scorer.mix_lambda, scorer.needs.query_window) == (8, 7, 0.07, 8)
+    assert (scorer.head_reduction, scorer.window_keys) == ("max-logits", False)
     assert scorer.partner_threshold == 0.5  # official rkv/utils.py cal_similarity(threshold=0.5)
-    assert make_policy("rkv", budget=512).interval == 128  # R-KV's default interval
+    policy = make_policy("rkv", budget=512)
+    assert policy.interval == 128  # R-KV's buffer
+    assert not policy.protect_prompt and policy.compress_prefill  # the prompt is compressed at prefill
     assert make_policy("rkv", budget=64).interval == 32  # capped at budget // 2: a budget stays a bound
+    assert make_policy("rkv", budget=64, protect_prompt=True).protect_prompt  # the named option
     built = build(9, window=8)
-    assert_live_scores(built, scorer.score(built.layer, built.seen), rkv_reference(built, 8, 7, 0.1), atol=1e-6)
+    assert_live_scores(built, scorer.score(built.layer, built.seen), rkv_official_reference(built, 8, 7, 0.07),
+                       atol=1e-6)
     red = scorer.redundancy(built.layer)
     live = built.layer.live()
     torch.testing.assert_close(red.sum(-1), torch.ones(B, HKV))
     assert (red[~live] == 0).all()
+
 
 
 # ============================================================================ random

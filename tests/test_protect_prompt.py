@@ -23,16 +23,18 @@ def test_paper_defaults_and_where_they_show():
     defaults = {name: make_policy(name, budget=64, **kw).protect_prompt for name, kw in {
         "lazy": {"window": 8}, "ams:tova": {}, "skipkv": {}, "caote:tova": {}, "rkv": {}, "tova": {},
     }.items()}
-    assert defaults == {"lazy": False, "ams:tova": False, "skipkv": False, "caote:tova": False, "rkv": True,
+    # rkv: the official code compresses the prompt at prefill (issue 51); protecting it is the named option
+    assert defaults == {"lazy": False, "ams:tova": False, "skipkv": False, "caote:tova": False, "rkv": False,
                         "tova": False}
     assert make_policy("lagkv", budget=512).protect_prompt is False
     # a wrapper's paper decides, whatever its base's default
     assert make_policy("caote:rkv", budget=64).protect_prompt is False
     assert make_policy("ams:rkv", budget=64).protect_prompt is False
     assert make_policy("tova", budget=64, protect_prompt=True).settings()["protect_prompt"] is True
-    assert make_policy("rkv", budget=64).settings()["protect_prompt"] is True
+    assert make_policy("rkv", budget=64).settings()["protect_prompt"] is False
+    assert make_policy("rkv", budget=64, protect_prompt=True).settings()["protect_prompt"] is True
     rows = {r["name"]: r["params"] for r in describe_methods()}
-    assert rows["rkv"]["protect_prompt"] is True and rows["lazy"]["protect_prompt"] is False
+    assert rows["rkv"]["protect_prompt"] is False and rows["lazy"]["protect_prompt"] is False
     assert rows["caote:<base>"]["protect_prompt"] is False and rows["ams:<base>"]["protect_prompt"] is False
     assert all(isinstance(cls.defaults.protect_prompt, bool) for cls in SCORERS.values())
     assert all("protect_prompt" in cls.schedule for cls in WRAPPERS.values())
@@ -49,8 +51,8 @@ def test_cli_flag_builds_the_policy():
     from kvsieve.cli import _policy
 
     assert _policy("tova", 64, "uniform", None, None, None, {}, True).protect_prompt is True
-    assert _policy("rkv", 64, "uniform", None, None, None, {}, False).protect_prompt is False
-    assert _policy("rkv", 64, "uniform", None, None, None, {"protect_prompt": False}).protect_prompt is False
+    assert _policy("rkv", 64, "uniform", None, None, None, {}, True).protect_prompt is True
+    assert _policy("rkv", 64, "uniform", None, None, None, {"protect_prompt": True}).protect_prompt is True
     assert _policy("full", None, "uniform", None, None, None, {}, True).scorer is None
 
 
@@ -243,3 +245,14 @@ def test_report_flags_a_cell_whose_peak_exceeds_one_and_a_half_budgets():
         "full": "-", "tova": "OVER 1/2", "h2o": "ok", "snapkv": "unknown", "rkv": "ok"}
     columns, cells = table_rows(list(summaries.values()))
     assert {row[0]: row[columns.index("bound")] for row in cells}["tova"] == "OVER 1/2"
+
+
+def test_kvsieve_methods_says_what_each_budget_holds():
+    """Issue 51: `kvsieve methods` shows each method's prompt handling, its window and what its budget counts."""
+    rows = {r["name"]: r.get("budget") for r in describe_methods()}
+    assert rows["rkv"].startswith("prompt competes, compressed at prefill; the budget holds every token")
+    assert "recent window: its observation window" in rows["rkv"]
+    assert rows["lazy"].startswith("prompt competes from the first decode compression")
+    assert rows["lagkv"].startswith("no budget")
+    assert rows["streaming"].endswith("4 sinks")
+    assert all(rows[name] for name in SCORERS)

@@ -111,11 +111,12 @@ def methods():
     from .methods import describe_methods
 
     table = Table(title="kvsieve methods", show_lines=True)
-    for col in ("method", "what it keeps", "hyperparameters (defaults)", "source of the defaults"):
+    for col in ("method", "what it keeps", "what the budget holds", "hyperparameters (defaults)",
+                "source of the defaults"):
         table.add_column(col)
     for row in describe_methods():
         params = ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"
-        table.add_row(row["name"], row["summary"], params, row["source"])
+        table.add_row(row["name"], row["summary"], row.get("budget", "-"), params, row["source"])
     console.print(table)
 
 

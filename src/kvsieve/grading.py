@@ -26,6 +26,12 @@ mid-reasoning has not answered, so only an explicit answer counts (a box, an ans
 answer the text ends inside (``the answer is 1`` may be the start of ``18``, as ``\\boxed{1``
 may).  ``exact`` is the exception noted above.
 Texts that ended on their own (eos, a stop string) keep the fallbacks.
+
+A made-up next turn ends the answer: some models, done answering, go on with an invented dialogue
+(``...\\boxed{11.50}.Human: A certain number of students...``), and a box inside that turn is not the
+answer.  ``grade`` cuts the text at the first ``NEXT_TURN_MARKERS`` and grades what comes before as
+an answer that ended on its own; ``kvsieve eval`` also stops decoding there (``stop_strings``), as
+lm-evaluation-harness stops at its ``until`` strings.
 """
 
 from __future__ import annotations
@@ -251,9 +257,23 @@ GRADERS: dict[str, Callable[..., Grade]] = {
 }
 
 
+# The start of an invented next turn: the plain-text dialogue format the Qwen2.5 models fall into after an
+# answer (the only marker found in the grid's 2,650 rows: 355 rows, 2026-11-27), and the chat template's
+# own turn opener, should a decode keep special tokens
+NEXT_TURN_MARKERS = ("Human:", "<|im_start|>")
+
+
+def cut_at_next_turn(text: str) -> tuple[str, bool]:
+    """``text`` up to the first ``NEXT_TURN_MARKERS``, and whether one was found."""
+    cut = min((i for i in (text.find(m) for m in NEXT_TURN_MARKERS) if i >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
 def grade(kind: str, text: str, reference: str, *, truncated: bool = False) -> Grade:
     """Grade ``text`` against ``reference`` with the grader ``kind`` (a ``Sample.grader``);
-    ``truncated``: the generation hit the token limit, so only an explicit answer counts."""
+    ``truncated``: the generation hit the token limit, so only an explicit answer counts.  A text
+    that goes on into an invented next turn is graded up to it, as an answer that ended there."""
     if kind not in GRADERS:
         raise ValueError(f"no answer grader for {kind!r}; graders: {', '.join(GRADERS)}")
-    return GRADERS[kind](text, reference, truncated=truncated)
+    text, ended = cut_at_next_turn(text)
+    return GRADERS[kind](text, reference, truncated=truncated and not ended)

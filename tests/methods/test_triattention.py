@@ -1,4 +1,4 @@
-"""TriAttention (arXiv:2604.04921): Eq. S against a brute-force computation, the ranking of a head
+"""TriAttention (arXiv:2604.04921): Eqs. 10-11 against a brute-force computation, the ranking of a head
 whose queries sit at their centre, the calibration, and the method end to end on SmolLM2.
 
 The references here apply RoPE with explicit cos/sin rotations of real vectors, one query and
@@ -61,7 +61,7 @@ def cache_of(pre_keys: torch.Tensor, positions: torch.Tensor, stats: QueryStats)
 
 
 def brute_force(pre_keys, positions, seen, stats: QueryStats, offset_max: int) -> torch.Tensor:
-    """[B, HKV, G, T] Eq. S one key and one query head at a time: the centre query rotated to t + o,
+    """[B, HKV, G, T] Eqs. 10-11 one key and one query head at a time: the centre query rotated to t + o,
     dotted with the key rotated to its position, averaged over o in {1, 2, 4, ..., offset_max},
     plus s^2 sum_f (E|q_f| - |q_bar_f|) |k_f| from the pre-RoPE key's pairs."""
     offsets = [2 ** i for i in range(int(math.log2(offset_max)) + 1)]

@@ -5,7 +5,7 @@ attention, takes each layer's post-RoPE queries and keys at the attention call (
 q/k norm, exactly what RoPE saw), rotates them back by their positions (RoPE inverted:
 pair f of position p turned by -w_f p, divided by RoPE's attention scaling s) and keeps, per
 (layer, query head) and frequency pair f, the centre E[q_f] and the mean norm E|q_f|: what
-TriAttention's score (``kvsieve.methods.triattention``, Eq. S) reads, saved with the model's
+TriAttention's score (``kvsieve.methods.triattention``, Eqs. 4-13) reads, saved with the model's
 RoPE frequencies and fingerprint.
 
 # deviation: the official calibration (scripts/calibrate.py) runs one forward pass over a long

@@ -87,6 +87,9 @@ def eval_command(
     data_opt: List[str] = typer.Option([], "--data-opt", help="Data set option key=value, e.g. context_tokens=4000."),
     limit: Optional[int] = typer.Option(None, help="N samples only (the first N after --skip)."),
     skip: int = typer.Option(0, help="Pass over the first N samples (--skip 100 --limit 50: samples 100-149)."),
+    reference_limit: Optional[int] = typer.Option(
+        None, help="full (the reference) on the first N samples only: for cells whose report joins an earlier "
+                   "directory's full (kvsieve report DIR --join NEW)."),
     methods: str = typer.Option(
         "full", help="Comma-separated methods; full always runs as the reference. <method>+<variant> (e.g. "
                      "lazy+protect with --set lazy+protect.protect_prompt=true) is a cell of its own under its own "
@@ -141,7 +144,8 @@ def eval_command(
         raise typer.BadParameter(f"must be >= 0 (a fraction shares a GPU), not {ray_gpus}", param_hint="--ray-gpus")
     config = _bad(
         EvalConfig, model=model, dataset=dataset, out=str(out or Path("runs") / f"{Path(model).name}-{dataset}"),
-        methods=method_list, budgets=_bad(parse_list, budgets, "--budgets", int), limit=limit, skip=skip, data_path=data,
+        methods=method_list, budgets=_bad(parse_list, budgets, "--budgets", int), limit=limit, skip=skip,
+        reference_limit=reference_limit, data_path=data,
         data_options=_pairs(data_opt, "--data-opt"), max_new_tokens=max_new_tokens, temperature=temperature,
         seed=seed, prefill_chunk=prefill_chunk, batch_size=batch_size, compile=compile,
         settings=_bad(split_settings, _pairs(set_, "--set"), method_list), shard=_bad(parse_shard, shard),

@@ -127,6 +127,10 @@ class EvalConfig:
     skip : int
         Samples passed over at the start of the data set: ``skip=100, limit=50`` runs samples
         100-149 (a held-out slice; rows are keyed by sample id, so it is not a result field).
+    reference_limit : int | None
+        ``full`` runs on the first N samples only (None: all).  For a directory whose cells join an
+        earlier one's report (``kvsieve report DIR --join NEW``), whose ``full`` is the reference:
+        the joined ``full`` rows only show that both commits decode alike (``report.reproduced_full``).
     max_new_tokens, temperature, seed, prefill_chunk : decoding settings (``GenerateConfig``).
     batch_size : int
         Samples decoded together.
@@ -163,6 +167,7 @@ class EvalConfig:
     budgets: tuple[int, ...] = (128,)
     limit: int | None = None
     skip: int = 0
+    reference_limit: int | None = None
     data_path: str | None = None
     data_options: dict[str, Any] = field(default_factory=dict)
     max_new_tokens: int = 512
@@ -205,6 +210,8 @@ class EvalConfig:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.skip < 0:
             raise ValueError(f"skip must be >= 0, got {self.skip}")
+        if self.reference_limit is not None and self.reference_limit < 1:
+            raise ValueError(f"reference_limit must be >= 1, got {self.reference_limit}")
         if len(self.shard) != 2 or not 0 <= self.shard[0] < self.shard[1]:
             raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {self.shard}")
         if self.writer is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", self.writer):
@@ -215,11 +222,13 @@ class EvalConfig:
         self.generate_config()  # a decoding setting it refuses fails here, before any model loads
 
     def generate_config(self):
-        """The ``GenerateConfig`` every generated row of the grid decodes with."""
+        """The ``GenerateConfig`` every generated row of the grid decodes with: it stops at an invented
+        next turn (``grading.NEXT_TURN_MARKERS``), where the grader cuts the answer anyway."""
         from ..generate import GenerateConfig
+        from ..grading import NEXT_TURN_MARKERS
 
         return GenerateConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                              prefill_chunk=self.prefill_chunk, compile=self.compile)
+                              prefill_chunk=self.prefill_chunk, compile=self.compile, stop_strings=NEXT_TURN_MARKERS)
 
     def cells(self) -> list[Cell]:
         """``full`` first (the reference), then every method at every budget it takes (once without

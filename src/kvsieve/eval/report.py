@@ -9,11 +9,27 @@ Definitions (every number is computed from the rows alone):
   wrong and the reverse, with the exact two-sided McNemar p-value (McNemar 1947; under "no
   difference" the discordant samples split as Binomial(lost + gained, 1/2)): a small p says the
   cell's accuracy differs from ``full``'s beyond chance on these samples;
+* Holm: each p-value adjusted for the other comparisons of its family by Holm's step-down method
+  (Holm 1979: the k-th smallest of m p-values times m - k + 1, made non-decreasing, capped at 1),
+  which bounds the chance of any false "beyond chance" in the family at 5% without assuming the
+  tests independent.  The families: the vs-full column, the vs-random column, and the table of
+  every two cells; a difference is called beyond chance when its Holm p is below 0.05;
+* Δ vs full: the cell's accuracy minus ``full``'s on the same samples, in points, with a 95%
+  interval for that paired difference by Newcombe's hybrid score method (Newcombe 1998, Stat.
+  Med. 17:2635, method 10: Wilson intervals of the two accuracies combined with the correlation
+  of the pairs), which stays inside [-100, 100] and agrees with the exact McNemar test far better
+  than the Wald interval when few samples are discordant;
 * vs random: the same pairing against the ``random`` cell at the same budget (the control: a
   method that cannot beat random eviction beyond chance has not shown that its scores help);
 * every two cells, paired (the table under the summary, for grids of up to 20 graded cells):
-  the same pairing for each pair of cells, on the samples both graded; with many pairs a lone p
-  near 0.05 is weak evidence (under no difference about 5% of pairs fall below it by chance);
+  the same pairing for each pair of cells, on the samples both graded, with its raw and its Holm
+  p (over all the table's pairs): with many pairs a lone raw p near 0.05 is weak evidence (under
+  no difference about 5% of pairs fall below it by chance);
+* effective budget: the live tokens per kv head the budget lets a cell keep after a compression,
+  prompt included: the budget when the prompt competes for it, the budget plus the row's prompt
+  tokens when the prompt is kept (the bound below), mean over rows; "-" without a budget.
+  Between compressions a cache grows by up to its interval, which peak live/head shows: compare
+  cells by accuracy against peak KV memory first, and read the nominal budget through this one;
 * prompt: "kept" when the rows protect the prompt (``protect_prompt``: the budget bounds the
   generated tokens only), "competes" when prompt and output share the budget, "-" without one;
 * KV compression: per sample, the KV tokens a full cache would hold at the end
@@ -79,6 +95,38 @@ def mcnemar_p(lost: int, gained: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment (Holm 1979) of a family of p-values, in their order: the k-th
+    smallest of m (k from 1) becomes max over j <= k of min(1, (m - j + 1) p_(j))."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def paired_difference_interval(pairs: list[tuple[bool, bool]], z: float = Z95) -> tuple[float, float, float]:
+    """``(difference, low, high)`` of the second member's accuracy minus the first's over ``pairs``
+    ((reference correct, cell correct), as ``shared_pairs`` gives them), with Newcombe's hybrid
+    score interval for paired proportions (Newcombe 1998, Stat. Med. 17:2635, method 10)."""
+    n = len(pairs)
+    both = sum(f and c for f, c in pairs)
+    gained = sum(c and not f for f, c in pairs)  # cell right, reference wrong
+    lost = sum(f and not c for f, c in pairs)
+    neither = n - both - gained - lost
+    cell, ref = (both + gained) / n, (both + lost) / n
+    (l1, u1), (l2, u2) = wilson_interval(both + gained, n, z), wilson_interval(both + lost, n, z)
+    margins = (both + gained) * (lost + neither) * (both + lost) * (gained + neither)
+    cross = both * neither - gained * lost
+    # the correlation of the pairs, its positive values corrected for continuity (Newcombe's phi)
+    phi = 0.0 if margins == 0 else (cross - n / 2 if cross > n / 2 else min(cross, 0)) / math.sqrt(margins)
+    low = (cell - l1) ** 2 - 2 * phi * (cell - l1) * (u2 - ref) + (u2 - ref) ** 2
+    high = (u1 - cell) ** 2 - 2 * phi * (u1 - cell) * (ref - l2) + (ref - l2) ** 2
+    difference = cell - ref
+    return difference, difference - math.sqrt(max(low, 0.0)), difference + math.sqrt(max(high, 0.0))
+
+
 @dataclass
 class CellSummary:
     method: str
@@ -111,6 +159,12 @@ class CellSummary:
     random_p: float | None = None
     prompt: str | None = None  # "kept" (protect_prompt), "competes", "mixed"; None without a budget
     at_cap: int | None = None  # rows that stopped at max_new_tokens (finish_reason "length"); None if unrecorded
+    effective_budget: float | None = None  # live tokens per kv head kept after a compression, prompt included
+    paired_p_holm: float | None = None  # paired_p adjusted by Holm over the vs-full column
+    random_p_holm: float | None = None  # random_p adjusted by Holm over the vs-random column
+    diff_vs_full: float | None = None  # accuracy minus full's on the same samples
+    diff_low: float | None = None  # its 95% interval (Newcombe's hybrid score, paired)
+    diff_high: float | None = None
 
     @property
     def label(self) -> str:
@@ -233,6 +287,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
         full_acc = sum(f for f, _ in pairs) / len(pairs) if pairs else None
         retained = accuracy / full_acc if accuracy is not None and full_acc else None
         lost, gained, paired_p = paired(pairs if key != ("full", None) else [])
+        difference = paired_difference_interval(pairs) if pairs and key != ("full", None) else (None, None, None)
+        bounds = [bound_of(r) for r in group if bound_of(r) is not None]
         random_key = ("random", key[1]) if key[1] is not None and key[0] != "random" else None
         random_lost, random_gained, random_p = paired(shared_pairs(by_id.get(random_key), graded))
         ratios = [c for c in map(_compression, group) if c is not None]
@@ -259,7 +315,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[CellSummary]:
             lost=lost, gained=gained, paired_p=paired_p, random_lost=random_lost, random_gained=random_gained,
             random_p=random_p, prompt=prompt_fate(group),
             at_cap=sum(r.get("finish_reason") == "length" for r in group) if any("finish_reason" in r for r in group)
-            else None))
+            else None,
+            effective_budget=_mean(bounds) if key[1] is not None and bounds else None,
+            diff_vs_full=difference[0], diff_low=difference[1], diff_high=difference[2]))
+    for p_field, holm_field in (("paired_p", "paired_p_holm"), ("random_p", "random_p_holm")):
+        family = [s for s in out if getattr(s, p_field) is not None]
+        for s, adjusted in zip(family, holm([getattr(s, p_field) for s in family])):
+            setattr(s, holm_field, adjusted)
     return out
 
 
@@ -270,15 +332,31 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return format(value, spec)
 
 
-COLUMNS = ("method", "budget", "prompt", "n", "accuracy", "95% CI", "retained", "vs full (p)", "vs random (p)",
-           "gen mean", "gen max", "at cap", "KV compr.", "peak KV MiB", "peak live/head", "steady/head", "bound", "events",
+COLUMNS = ("method", "budget", "eff. budget", "prompt", "n", "accuracy", "95% CI", "retained", "vs full (p; Holm)",
+           "Δ vs full (95% CI)", "vs random (p; Holm)", "gen mean", "gen max", "at cap", "KV compr.", "peak KV MiB", "peak live/head", "steady/head", "bound", "events",
            "tok/s")
-_QUALITY = slice(4, 9)  # the accuracy columns, replaced by perplexity on a text grid
+_QUALITY = slice(5, 11)  # the accuracy columns, replaced by perplexity on a text grid
 
 
-def _versus(lost: int | None, gained: int | None, p: float | None, missing: str) -> str:
-    """``-lost/+gained (p)`` against a reference cell, or ``missing`` for a cell without a pairing."""
-    return missing if lost is None else f"-{lost}/+{gained} ({p:.2g})"
+def _versus(lost: int | None, gained: int | None, p: float | None, missing: str, adjusted: float | None = None) -> str:
+    """``-lost/+gained (p)`` against a reference cell (``(p; Holm q)`` with an ``adjusted`` p), or
+    ``missing`` for a cell without a pairing."""
+    if lost is None:
+        return missing
+    return f"-{lost}/+{gained} ({p:.2g}" + ("" if adjusted is None else f"; Holm {adjusted:.2g}") + ")"
+
+
+def points(share: float) -> str:
+    """A share as signed whole points: 0.03 -> "+3", -0.1 -> "-10", 0.001 -> "0"."""
+    value = round(100 * share)
+    return f"{value:+d}" if value else "0"
+
+
+def difference_text(s: CellSummary) -> str:
+    """``Δ (low, high)`` in points, e.g. ``-4 (-11, +3)``, or "-" for a cell not paired with full."""
+    if s.diff_vs_full is None:
+        return "-"
+    return f"{points(s.diff_vs_full)} ({points(s.diff_low)}, {points(s.diff_high)})"
 
 
 def _versus_full(s: CellSummary, missing: str) -> str:
@@ -311,8 +389,9 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             quality: tuple[str, ...] = (_fmt(s.perplexity, ".3f"),)
         else:
             ci = f"{s.ci_low:.2f}-{s.ci_high:.2f}" if s.ci_low is not None else "-"
-            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"), _versus_full(s, "-"),
-                       _versus(s.random_lost, s.random_gained, s.random_p, "-"))
+            quality = (_fmt(s.accuracy, ".3f"), ci, _fmt(s.retained, ".0%"),
+                       _versus(s.lost, s.gained, s.paired_p, "-", s.paired_p_holm), difference_text(s),
+                       _versus(s.random_lost, s.random_gained, s.random_p, "-", s.random_p_holm))
         compression = _compression_text(s)
         if s.compression_events is None:
             events = "-"
@@ -320,7 +399,7 @@ def table_rows(summaries: list[CellSummary]) -> tuple[tuple[str, ...], list[tupl
             events = "never compressed"
         else:
             events = f"{s.compression_events:.1f} ({s.compressed_share:.0%})"
-        rows.append((s.method, _fmt(s.budget, "d", "none"), s.prompt or "-", str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
+        rows.append((s.method, _fmt(s.budget, "d", "none"), _fmt(s.effective_budget, ".0f"), s.prompt or "-", str(s.n), *quality, _fmt(s.mean_generated_tokens, ".1f"),
                      str(s.max_generated_tokens), _fmt(s.at_cap, "d"), compression, _fmt(s.peak_kv_mib, ".2f"),
                      _fmt(s.peak_live_tokens_per_head, ".0f"), _fmt(s.steady_live_tokens_per_head, ".0f"),
                      bound_text(s), events, _fmt(s.tokens_per_s, ".1f")))
@@ -373,29 +452,49 @@ def by_accuracy(summaries: list[CellSummary]) -> list[CellSummary]:
 PAIRWISE_MAX_CELLS = 20  # beyond this a cell-by-cell matrix is too wide to read
 
 
-def pairwise_table(rows: list[dict[str, Any]], summaries: list[CellSummary],
-                   max_cells: int = PAIRWISE_MAX_CELLS) -> str | None:
-    """Markdown: every two graded cells paired on the samples both graded (``shared_pairs``,
-    ``paired``).  The entry in row A, column B is ``a/b (p)``: A right and B wrong on ``a``
-    samples, the reverse on ``b``, and the exact McNemar p of that split (bold below 0.05).
-    Cells sorted by accuracy, best first.  None for fewer than two graded cells or more than
-    ``max_cells``."""
+def pairwise_splits(rows: list[dict[str, Any]], summaries: list[CellSummary]) -> dict[tuple[str, str], tuple[int, int, float, float]]:
+    """Every two graded cells paired on the samples both graded (``shared_pairs``, ``paired``), by
+    label, the more accurate first (``by_accuracy``): ``(first only right, second only right, p,
+    Holm p)``, the Holm family being all the pairs."""
     order = by_accuracy(summaries)
-    if not 2 <= len(order) <= max_cells:
-        return None
     graded: dict[tuple[str, int | None], dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r.get("correct") is not None:
             graded.setdefault((r["method"], r["budget"]), {})[r["id"]] = r
+    splits = {}
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            # B as the reference: "lost" is B right and A wrong, "gained" the reverse
+            b_only, a_only, p = paired(shared_pairs(graded[b.method, b.budget], list(graded[a.method, a.budget].values())))
+            if p is not None:
+                splits[a.label, b.label] = (a_only, b_only, p)
+    return {k: (*v, q) for (k, v), q in zip(splits.items(), holm([p for _, _, p in splits.values()]))}
+
+
+def pairwise_table(rows: list[dict[str, Any]], summaries: list[CellSummary],
+                   max_cells: int = PAIRWISE_MAX_CELLS) -> str | None:
+    """Markdown: every two graded cells paired (``pairwise_splits``).  The entry in row A, column B
+    is ``a/b (p; Holm q)``: A right and B wrong on ``a`` samples, the reverse on ``b``, the exact
+    McNemar p of that split and its Holm adjustment over the table's pairs, bold where the Holm p
+    is below 0.05.  Cells sorted by accuracy, best first.  None for fewer than two graded cells or
+    more than ``max_cells``."""
+    order = by_accuracy(summaries)
+    if not 2 <= len(order) <= max_cells:
+        return None
+    splits = pairwise_splits(rows, summaries)
     lines = ["| | " + " | ".join(s.label for s in order) + " |", "|---|" + "---|" * len(order)]
     for a in order:
         entries = []
         for b in order:
-            # B as the reference: "lost" is B right and A wrong, "gained" the reverse
-            b_only, a_only, p = paired(shared_pairs(graded[b.method, b.budget], list(graded[a.method, a.budget].values()))
-                                       if a is not b else [])
-            text = "-" if p is None else f"{a_only}/{b_only} ({p:.2g})"
-            entries.append(f"**{text}**" if p is not None and p < 0.05 else text)
+            if (a.label, b.label) in splits:
+                a_only, b_only, p, q = splits[a.label, b.label]
+            elif (b.label, a.label) in splits:
+                b_only, a_only, p, q = splits[b.label, a.label]
+            else:
+                entries.append("-")
+                continue
+            text = f"{a_only}/{b_only} ({p:.2g}; Holm {q:.2g})"
+            entries.append(f"**{text}**" if q < 0.05 else text)
         lines.append(f"| {a.label} | " + " | ".join(entries) + " |")
     return "\n".join(lines)
 
@@ -547,8 +646,10 @@ def write_report(directory: str | Path, plots: bool = True, common: bool = False
     pairs = pairwise_table(rows, summaries)
     if pairs is not None:
         body += ["## Every two cells, paired", "",
-                 "Row A, column B: `a/b (p)`, A right and B wrong on a samples, the reverse on b, and the exact "
-                 "McNemar p of that split (bold below 0.05). Cells by accuracy, best first.", "", pairs, ""]
+                 "Row A, column B: `a/b (p; Holm q)`, A right and B wrong on a samples, the reverse on b, the exact "
+                 "McNemar p of that split and that p adjusted by Holm's method over all the table's pairs (bold where "
+                 "the Holm p is below 0.05: beyond chance after the adjustment). Cells by accuracy, best first.", "",
+                 pairs, ""]
     if plots:
         from .plots import draw_all
 

@@ -198,8 +198,12 @@ def check_run_manifest(config: EvalConfig) -> None:
 
 
 def pending_work(config: EvalConfig, samples: list[Sample], done: set) -> list[tuple[Cell, list[Sample]]]:
-    """(cell, samples to run) for every cell, ``full`` first; finished keys are left out."""
-    return [(cell, [s for s in samples if (s.id, cell[0], cell[1]) not in done]) for cell in config.cells()]
+    """(cell, samples to run) for every cell, ``full`` first (on the first ``reference_limit`` samples
+    only, when set); finished keys are left out."""
+    def of(cell: Cell) -> list[Sample]:
+        return samples[:config.reference_limit] if cell[0] == "full" and config.reference_limit else samples
+
+    return [(cell, [s for s in of(cell) if (s.id, cell[0], cell[1]) not in done]) for cell in config.cells()]
 
 
 def check_cell_settings(config: EvalConfig, cell_settings: dict[Cell, dict], work) -> None:

@@ -131,20 +131,44 @@ def make_scorer(name: str, settings: dict) -> Scorer:
     return cls(**own)
 
 
+def budget_semantics(uses_budget: bool, schedule: dict) -> str:
+    """What a method's budget holds by default, for ``kvsieve methods``: the prompt's handling, the
+    protected window and the sinks (``schedule``: ``Defaults`` fields, a wrapper's partial)."""
+    if not uses_budget:
+        return "no budget: its own settings size the cache; the prompt competes"
+    if "protect_prompt" not in schedule:
+        prompt = "the base's prompt handling"
+    elif schedule["protect_prompt"]:
+        prompt = "prompt kept outside the budget; the budget holds generated tokens"
+    elif schedule.get("compress_prefill", True):
+        prompt = "prompt competes, compressed at prefill; the budget holds every token"
+    else:
+        prompt = "prompt competes from the first decode compression; the budget holds every token"
+    recent = schedule.get("recent_doc") or schedule.get("recent")
+    if recent == "window":
+        recent = "its observation window (`window`)"
+    window = f"; recent window: {recent}" if recent and not callable(recent) else ""
+    sinks = f"; {schedule['sinks']} sinks" if schedule.get("sinks") else ""
+    return prompt + window + sinks
+
+
 def describe_methods() -> list[dict]:
-    """One row per method: name, summary, hyperparameters with defaults, and their source."""
-    rows = [{"name": "full", "summary": "no eviction (reference)", "params": {}, "source": "-"}]
+    """One row per method: name, summary, hyperparameters with defaults, what its budget holds
+    (``budget_semantics``), and the source of its defaults."""
+    rows = [{"name": "full", "summary": "no eviction (reference)", "params": {}, "source": "-",
+             "budget": "no budget: every token kept"}]
     for name in sorted(SCORERS):
         cls = SCORERS[name]
         params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
         rows.append({"name": name, "summary": cls.about.summary, "params": {**params, **cls.defaults.describe()},
-                     "source": cls.about.source})
+                     "source": cls.about.source,
+                     "budget": budget_semantics(cls.needs.uses_budget, dataclasses.asdict(cls.defaults))})
     for prefix in sorted(WRAPPERS):
         cls = WRAPPERS[prefix]
         own = {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.name != BASE_SETTINGS}
         schedule = {k: v for k, v in cls.schedule.items() if not k.endswith("_doc")}
         rows.append({"name": f"{prefix}:<base>", "summary": cls.about.summary, "params": {**own, **schedule},
-                     "source": cls.about.source})
+                     "source": cls.about.source, "budget": budget_semantics(True, cls.schedule)})
     for name, cls in ALLOCATORS.items():
         params = {f.name: f.default for f in dataclasses.fields(cls)}
         rows.append({"name": f"allocator:{name}", "summary": cls.summary, "params": params, "source": cls.source})

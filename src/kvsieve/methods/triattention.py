@@ -9,7 +9,7 @@ complex number (rotate-half layout: real part dimension f, imaginary part f + F)
 pair f of the query at position p_q and of the key at p_k by w_f p_q and w_f p_k, so a query
 at the centre, q_bar, gives the key k its logit as a trigonometric series of their distance:
 
-    logit(delta) = s^2 sum_f |q_bar_f| |k_f| cos(w_f delta + phi_f),  phi_f = arg(q_bar_f conj(k_f)),
+    logit(delta) = s^2 sum_f |q_bar_f| |k_f| cos(w_f delta + phi_f),  phi_f = arg(q_bar_f conj(k_f)),   (Eq. 4)
 
 with s RoPE's attention scaling (1 for plain RoPE) and delta = p_q - p_k.  The score of a
 cached key at a compression at position t (the row's next position) averages the series over
@@ -17,11 +17,15 @@ future queries at t + o, o in {1, 2, 4, ..., 2^16}, and adds a norm term for the
 queries the centre does not explain, weighted by one minus the mean resultant length
 R_f = |E q_f| / E|q_f| of each pair (E|q_f| - |E q_f| = E|q_f| (1 - R_f)):
 
-    score(k) = mean_o logit(t + o - p_k) + s^2 sum_f (E|q_f| - |q_bar_f|) |k_f|        (Eq. S)
+    score(k) = mean_o [ S_trig(k, t + o) + S_norm(k) ]                                 (Eqs. 10-11)
+    S_trig(k, t + o) = logit(t + o - p_k)                                                 (Eq. 6)
+    S_norm(k) = s^2 sum_f (E|q_f| - |q_bar_f|) |k_f|                                      (Eqs. 8-9)
 
-Eq. S is the official code's ``score_keys_for_round`` over ``compute_frequency_statistics_from_means``
-(triattention/methods/pruning_utils.py).  The equation number of the paper could not be read
-here (only its abstract and introduction are stored), so it is tagged "Eq. S" throughout.
+then a z-score per query head and the max over each kv head's query group (Eqs. 12-13).  The
+score is the official code's ``score_keys_for_round`` over ``compute_frequency_statistics_from_means``
+(triattention/methods/pruning_utils.py).  Caveat on the equation numbers: the stored copies of the
+paper hold only its abstract and introduction; the numbers are those two independent summaries of
+the full paper agree on (issue 51), not read from the paper here.
 
 How kvsieve computes it: no RoPE inversion is needed.  kvsieve stores post-RoPE keys
 k~_f = s k_f e^{i w_f p_k} (``SieveLayer.keys``), so
@@ -44,7 +48,10 @@ Pruning modes (``pruning``):
   the max over its query group (official ``per_layer_perhead_pruning`` with
   ``layer_perhead_aggregation="max"``, triattention/methods/triattention.py::_select_per_layer_perhead_independent).
 * ``per_layer``: every kv head of a layer keeps the same tokens, by the max over all the
-  layer's query heads (official vLLM runtime's ``per_layer`` mode, selector_hf.py::_select_keep_indices).
+  layer's query heads: kvsieve's own mode.  It is not the official vLLM runtime's ``per_layer``
+  mode, which first averages each group's query statistics into one set per kv head and scores
+  with those (selector_hf.py::_build_reduced_layer_stats, the mean over the group of ``q_abs_mean``
+  and ``q_mean_complex``).
 # deviation: the official default, ``per_head`` (triattention/methods/triattention.py::_select_per_head_independent,
 # scripts/cli.py sets per_head_pruning=True; vLLM runtime/config.py pruning_mode="per_head" with
 # "hf_aligned_global_per_head"), gives kv head h the same tokens in *every layer*, by the mean over
@@ -141,7 +148,8 @@ def offset_mean(inv_freq: torch.Tensor, offset_max: int = OFFSET_MAX) -> torch.T
 
 def series_scores(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor,
                   scaling: float, seen_tokens: torch.Tensor, offset_max: int = OFFSET_MAX) -> torch.Tensor:
-    """Eq. S for every query head and cached key: [B, H_kv, G, cap].
+    """Eqs. 10-11 (S_trig + S_norm, averaged over the offsets) for every query head and cached key:
+    [B, H_kv, G, cap].
 
     keys [B, H_kv, cap, D] post-RoPE; q_mean [H_q, F, 2]; q_abs_mean [H_q, F]; inv_freq [F];
     seen_tokens [B] the rows' next positions t."""
@@ -172,7 +180,7 @@ def z_normalise(scores: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 @register("triattention")
 @dataclass
 class TriAttention(Scorer):
-    """Trigonometric distance preference of the pre-RoPE query centre, plus a norm term (Eq. S).
+    """Trigonometric distance preference of the pre-RoPE query centre, plus a norm term (Eqs. 4-13).
 
     Parameters
     ----------
