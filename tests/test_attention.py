@@ -17,7 +17,7 @@ import torch
 
 from kvsieve.attention import StepState, attention_probs, sieve_attention, visible, window_attention
 from kvsieve.cache import DEAD_POS, SieveCache
-from kvsieve.policy import indices_from_mask
+from kvsieve.schedule import indices_from_mask
 
 B, HQ, HKV, D = 2, 6, 2, 8
 G = HQ // HKV

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsieve.cache import DEAD_POS, KV_FIELDS, KV_SUMS, SieveCache, SieveLayer, kv_field, kv_sum
-from kvsieve.policy import indices_from_mask
+from kvsieve.schedule import indices_from_mask, scorer_fields
 
 B, H, D, DV = 2, 3, 4, 5
 
@@ -433,7 +433,7 @@ def test_keydiff_and_fastcaote_score_the_same_from_running_sums_as_from_a_recoun
     g = torch.Generator().manual_seed(8)
     for method in ("keydiff", "fastcaote:h2o"):
         scorer = make_policy(method, budget=8).scorer
-        tracked = SieveCache.for_scorer(1, scorer).layers[0]
+        tracked = SieveCache(1, **scorer_fields(scorer)).layers[0]
         plain = SieveLayer(meta_init=scorer.needs.meta)
         assert tracked.kv_sums and not plain.kv_sums
         k, v = rand(g, 2, 3, 9, D), rand(g, 2, 3, 9, D)
@@ -455,7 +455,7 @@ def test_kv_field_is_computed_on_demand_for_a_layer_that_does_not_track_it_and_u
         SieveLayer(kv_fields=("key_mean",))
     from kvsieve import make_policy
 
-    cache = SieveCache.for_scorer(1, make_policy("caote:keydiff", budget=8).scorer)
+    cache = SieveCache(1, **scorer_fields(make_policy("caote:keydiff", budget=8).scorer))
     assert cache.layers[0].kv_fields == ("key_norm", "value_sqnorm")
 
 

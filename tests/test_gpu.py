@@ -12,7 +12,7 @@ import torch
 
 from kvsieve import GenerateConfig, generate, make_policy
 from kvsieve.cache import SieveCache
-from kvsieve.policy import indices_from_mask
+from kvsieve.schedule import indices_from_mask
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -35,7 +35,8 @@ from kvsieve.methods.random import RandomScorer
 from kvsieve.methods.rkv import RKV
 from kvsieve.methods.snapkv import SnapKV
 from kvsieve.methods.tova import TOVA
-from kvsieve.policy import Policy, Scorer, compress_layer, indices_from_mask
+from kvsieve.policy import Policy, Scorer
+from kvsieve.schedule import compress_layer, indices_from_mask, layer_budgets, observer
 
 B, HKV, G, D = 2, 2, 3, 8
 HQ = HKV * G
@@ -271,7 +272,7 @@ def h2o_reference(built: Built) -> list:
 def test_h2o_score_is_total_attention_received_across_steps_and_compaction():
     policy = make_policy("h2o", budget=6)
     assert policy.recent == 3  # half the budget is the recent window (H2O Sec. 5)
-    built = build(1, pad=0, meta_init=policy.scorer.needs.meta, observer=policy.observer())
+    built = build(1, pad=0, meta_init=policy.scorer.needs.meta, observer=observer(policy))
     assert_live_scores(built, policy.scorer.score(built.layer, built.seen), h2o_reference(built))
 
 
@@ -299,7 +300,7 @@ def test_h2o_recent_rule_half_or_lazyevictions_window_recorded_and_overridable()
 
 def test_h2o_score_ignores_padding_queries_of_a_left_padded_row():
     policy = make_policy("h2o", budget=6)
-    built = build(1, pad=3, meta_init=policy.scorer.needs.meta, observer=policy.observer())
+    built = build(1, pad=3, meta_init=policy.scorer.needs.meta, observer=observer(policy))
     assert_live_scores(built, policy.scorer.score(built.layer, built.seen), h2o_reference(built))
 
 
@@ -322,7 +323,7 @@ def test_tova_group_score_is_the_last_querys_attention_averaged_over_the_group()
     scorer = TOVA(heads="group")
     assert scorer.needs.query_window == 1
     policy = Policy(scorer=scorer, budget=8)
-    built = build(2, window=scorer.needs.query_window, meta_init=scorer.needs.meta, observer=policy.observer())
+    built = build(2, window=scorer.needs.query_window, meta_init=scorer.needs.meta, observer=observer(policy))
     # the score read from the forward pass equals a fresh recomputation over the cache
     torch.testing.assert_close(scorer.score(built.layer, built.seen),
                                scorer.score_per_query_head(built.layer, built.seen).mean(dim=2))
@@ -333,7 +334,7 @@ def test_tova_layer_score_is_the_last_querys_attention_averaged_over_all_query_h
     scorer = TOVA()  # heads="layer" is the paper's choice and the default
     # TOVA-layer keeps the same tokens in every head, so build a cache whose heads agree.
     built = build(3, window=scorer.needs.query_window, aligned=True, counts=((7, 7), (5, 5)),
-                  meta_init=scorer.needs.meta, observer=Policy(scorer=scorer, budget=8).observer())
+                  meta_init=scorer.needs.meta, observer=observer(Policy(scorer=scorer, budget=8)))
     scores = scorer.score(built.layer, built.seen)
     assert_live_scores(built, scores, tova_reference(built, "layer"))
     assert torch.equal(scores[:, 0], scores[:, 1])  # one ranking for the whole layer
@@ -545,7 +546,7 @@ SCORER_FACTORIES = {
 def policy_cache(name, seed, **kw):
     policy = SCORER_FACTORIES[name]()
     built = build(seed, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
-                  observer=policy.observer(), **kw)
+                  observer=observer(policy), **kw)
     return policy, built
 
 
@@ -571,7 +572,7 @@ def test_compress_layer_keeps_protected_drops_dead_respects_budget_and_position_
     policy = make_policy(name, budget=6, sinks=2, recent=3, **kw, **calibrated(name))
     # Row 0 head 1 ends up with fewer live tokens (2 + 3 decoded) than the budget; row 1 is left padded.
     built = build(seed, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
-                  observer=policy.observer(), counts=((9, 2), (7, 8)), pad=3)
+                  observer=observer(policy), counts=((9, 2), (7, 8)), pad=3)
     layer = built.layer
     before = {(b, h): {p: (k, v) for p, k, v in built.tokens[b][h] if p != DEAD_POS}
               for b in range(B) for h in range(HKV)}
@@ -610,14 +611,14 @@ def test_in_place_eviction_keeps_exactly_what_the_gather_path_keeps(name, monkey
     """Same scores, same budget: ``SieveLayer.evict`` (order-free scorers at steady capacity)
     and the dense top-k gather keep the same (position, K, V, meta) set in every head; where
     scores tie, they may pick different tied tokens, but the kept scores are the same."""
-    import kvsieve.policy as policy_module
+    import kvsieve.schedule as schedule_module
 
     kept, kept_scores = {}, {}
     for in_place in (True, False):
-        monkeypatch.setattr(policy_module, "can_evict_in_place", lambda *a, _v=in_place: _v)
+        monkeypatch.setattr(schedule_module, "can_evict_in_place", lambda *a, _v=in_place: _v)
         policy = make_policy(name, budget=6, sinks=1, recent=1, interval=3, **calibrated(name))
         built = build(3, window=policy.scorer.needs.query_window, meta_init=policy.scorer.needs.meta,
-                      observer=policy.observer(), counts=((6, 6), (6, 5)), aligned=policy.scorer.needs.aligned_heads)
+                      observer=observer(policy), counts=((6, 6), (6, 5)), aligned=policy.scorer.needs.aligned_heads)
         layer = built.layer
         score_of = {(b, h, int(p)): float(x) for b in range(B) for h in range(HKV)
                     for p, x in zip(layer.meta["pos"][b, h], policy.scorer.score(layer, built.seen)[b, h])}
@@ -691,15 +692,15 @@ def test_pyramid_with_a_single_layer_gives_that_layer_the_whole_budget():
 
 def test_policy_layer_budgets_pass_the_protected_tokens_to_the_allocator():
     policy = make_policy("snapkv", budget=100, window=16, sinks=4, allocator="pyramid", allocator_beta=4)
-    budgets = policy.layer_budgets(10)
+    budgets = layer_budgets(policy, 10)
     assert budgets == Pyramid(beta=4).layer_budgets(100, 10, 20)
     assert min(budgets) >= 20
-    assert make_policy("knorm", budget=50, skip_layers=0).layer_budgets(3) == [50, 50, 50]
+    assert layer_budgets(make_policy("knorm", budget=50, skip_layers=0), 3) == [50, 50, 50]
 
 
 def test_knorm_leaves_its_first_two_layers_uncompressed_as_the_authors_do():
-    assert make_policy("knorm", budget=50).layer_budgets(4) == [None, None, 50, 50]
-    assert make_policy("caote:knorm", budget=50, skip_layers=1).layer_budgets(3) == [None, 50, 50]
+    assert layer_budgets(make_policy("knorm", budget=50), 4) == [None, None, 50, 50]
+    assert layer_budgets(make_policy("caote:knorm", budget=50, skip_layers=1), 3) == [None, 50, 50]
     with pytest.raises(ValueError, match="skip_layers must be >= 0"):
         make_policy("knorm", budget=50, skip_layers=-1)
 
@@ -860,11 +861,12 @@ def test_default_interval_is_at_most_half_the_budget_so_a_budget_is_a_bound(name
 
 
 # ---------------------------------------------------------------------------- the scorer contract (issue 32)
-def test_a_scorer_declares_its_whole_contract_in_eleven_names():
-    """Scorer's public surface: name, about, the two records and seven hooks; nothing else is read."""
+def test_a_scorer_declares_its_whole_contract_in_ten_names():
+    """Scorer's public surface: name, about, the two records and six hooks; nothing else is read
+    (LagKV's budget fit and peak are one hook, ``sized``: issue 48)."""
     public = {n for n in vars(Scorer) if not n.startswith("_")} - {f.name for f in dataclasses.fields(Scorer)}
     assert public == {"name", "about", "needs", "defaults", "attach", "observe", "score", "select",
-                      "should_compress", "fit_budget", "peak_bound"}
+                      "should_compress", "sized"}
 
 
 def test_a_wrapper_forwards_every_hook_of_the_contract_to_its_base():

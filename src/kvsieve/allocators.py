@@ -4,7 +4,7 @@
 layer's budget, and returns a keep mask [B, H_kv, S] and the largest per-head count if it is
 known on the host (``k``) or ``None`` when counts are data dependent.
 
-AMS's mass segments (``kvsieve.segments.SegmentQuotas``) allocate too, but from a per-token mass
+AMS's mass segments (``kvsieve.methods._segments.SegmentQuotas``) allocate too, but from a per-token mass
 that these scores do not carry, so ``ams:<base>`` owns one and it is not registered here.
 """
 

@@ -176,8 +176,7 @@ def sieve_attention(module, query, key, value, attention_mask=None, scaling=None
     layer = kvsieve.cache.layers[module.layer_idx]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    layer.scaling, layer.sliding_window = scaling, sliding_window
-    layer.remember_queries(query, kvsieve.query_pos)
+    layer.begin_attention(query, kvsieve.query_pos, scaling, sliding_window)
     allowed = visible(layer.meta["pos"], kvsieve.query_pos, sliding_window)  # [B, H_kv, T, cap]
     if kvsieve.observer is not None:
         probs = attention_probs(query, key, allowed, scaling)  # [B, H_kv, G, T, cap]
@@ -191,7 +190,7 @@ def sieve_attention(module, query, key, value, attention_mask=None, scaling=None
             out = torch.matmul(torch.cat([rows, mix_weights.to(value.dtype)], dim=2), value)
             mix = out[:, :, G * T:]  # [B, H_kv, R, D]
             # the mixes' dot products with every value, while V is still in the CPU's cache
-            layer.step_results["value_mix"] = (mix_weights, mix, torch.matmul(mix, value.transpose(-1, -2)))
+            layer.keep_step_result("value_mix", (mix_weights, mix, torch.matmul(mix, value.transpose(-1, -2))))
             out = out[:, :, : G * T]
         out = out.reshape(B, H * G, T, value.shape[-1])
     else:

@@ -178,7 +178,8 @@ class SieveLayer(CacheLayerMixin):
 
     def __init__(self, meta_init: dict[str, float] | None = None, grow_chunk: int = 256,
                  kv_fields: tuple[str, ...] = (), kv_sums: tuple[str, ...] = (), *,
-                 capacity_hint: int | None = None, query_window: int = 0, static: bool = False):
+                 capacity_hint: int | None = None, query_window: int = 0, static: bool = False,
+                 layer_idx: int = 0):
         super().__init__()
         # Per-token state a policy asked for, with the value new tokens start with.
         self.meta_init = dict(meta_init or {})
@@ -191,7 +192,7 @@ class SieveLayer(CacheLayerMixin):
             raise ValueError(f"unknown K/V running sums {unknown}; known: {sorted(KV_SUMS)}")
         self.kv_sums = tuple(kv_sums)
         self.sums: dict[str, torch.Tensor] = {}  # name -> [B, H_kv, D] float64 (KV_SUMS)
-        self.layer_idx = 0  # set by SieveCache to the decoder layer this store belongs to
+        self.layer_idx = layer_idx  # the decoder layer this store belongs to
         self.grow_chunk = grow_chunk
         # Capacity a bounded policy never needs to exceed (budget + compression interval):
         # growth stops there instead of overshooting by a whole grow_chunk.
@@ -295,6 +296,27 @@ class SieveLayer(CacheLayerMixin):
                 self.sums[name].add_(_live_sum(name, key_states, value_states, real))
         self.lengths += T
         return self.keys, self.values
+
+    def begin_attention(self, query: torch.Tensor, query_pos: torch.Tensor, scaling: float,
+                        sliding_window: int | None) -> None:
+        """The attention function is about to read this layer: its softmax scale and window (a
+        sliding-window layer), and the queries [B, H_q, T, D] at ``query_pos`` [B, T] to remember."""
+        self.scaling, self.sliding_window = scaling, sliding_window
+        self.remember_queries(query, query_pos)
+
+    def keep_step_result(self, name: str, value: Any) -> None:
+        """What this step's attention pass computed for the scorer (``step_results[name]``)."""
+        self.step_results[name] = value
+
+    def set_max_len(self, max_len: int) -> None:
+        """A new host-side bound on the lengths, after an in-place eviction inside a compiled step
+        (which cannot change host state): the schedule sets it after the step."""
+        self.max_len = max_len
+
+    def set_capacity_hint(self, hint: int) -> None:
+        """The capacity the schedule plans never to exceed (budget + interval, + the prompt when it
+        is protected): growth stops there."""
+        self.capacity_hint = hint
 
     def remember_queries(self, query: torch.Tensor, query_pos: torch.Tensor) -> None:
         """Keep the last ``query_window`` post-RoPE queries ([B, H_q, T, D]) and their positions."""
@@ -507,6 +529,10 @@ class SieveCache(Cache):
     ``begin_step(query_pos)`` before every forward pass: it tells the layers the positions of
     the tokens they are about to append.
 
+    It is the transformers engine's store (``kvsieve.engine.Store``): the schedule
+    (``kvsieve.schedule``) decides what it keeps and builds it from plain numbers
+    (``schedule.store_settings``); it never sees the policy.
+
     A ``managed`` cache (the one a ``kvsieve.session.DecodeSession`` owns) leaves the host
     bookkeeping to its owner: ``prepare(T)`` before the forward pass (room for T tokens) and
     ``advance(T)`` after it (the host-side lengths bound), so ``update`` is device work only
@@ -519,9 +545,8 @@ class SieveCache(Cache):
                  managed: bool = False):
         hints = capacity_hints or [None] * num_layers
         super().__init__(layers=[SieveLayer(meta_init, grow_chunk, kv_fields, kv_sums, capacity_hint=hint,
-                                            query_window=query_window, static=static) for hint in hints])
-        for index, layer in enumerate(self.layers):
-            layer.layer_idx = index  # the decoder layer this store belongs to
+                                            query_window=query_window, static=static, layer_idx=index)
+                                 for index, hint in enumerate(hints)])
         self.seen_tokens: torch.Tensor | None = None  # [B]
         # [B] prompt tokens of each row, set at the end of prefill (``set_prompt``) for a policy that
         # protects the prompt (``Policy.protect_prompt``); ``prompt_max`` is a host-side upper bound
@@ -532,41 +557,17 @@ class SieveCache(Cache):
         self.managed = managed
 
     @classmethod
-    def for_scorer(cls, num_layers: int, scorer, grow_chunk: int = 256, **layer_settings) -> "SieveCache":
-        """A cache carrying the per-token fields and running sums ``scorer`` (None for ``full``) reads."""
-        if scorer is None:
-            return cls(num_layers, grow_chunk=grow_chunk, **layer_settings)
-        needs = scorer.needs
-        return cls(num_layers, needs.meta, grow_chunk, needs.kv_fields, needs.kv_sums,
-                   query_window=needs.query_window, **layer_settings)
-
-    @classmethod
-    def for_policy(cls, policy, num_layers: int, horizon: int, static: bool = False,
-                   grow_chunk: int = 256, managed: bool = True) -> "SieveCache":
-        """The one constructor of a decode cache: fields, sums and query window for the policy's
-        scorer, and each layer's capacity hint: never allocate past what a row of ``horizon``
-        tokens can need, budget + interval for a bounded layer, the scorer's own peak for one
-        without a budget (``Policy.unbudgeted_peaks``: LagKV), the whole row otherwise."""
-        budgets = policy.layer_budgets(num_layers)
-        interval = policy.interval if policy.scorer is not None else 0
-        unbudgeted = policy.unbudgeted_peaks(num_layers, horizon)
-        # a protected prompt is not known yet: its hint is set with it (DecodeSession.prefill)
-        hints = [own if b is None else horizon if policy.protect_prompt else min(horizon, b + interval)
-                 for b, own in zip(budgets, unbudgeted)]
-        return cls.for_scorer(num_layers, policy.scorer, grow_chunk, capacity_hints=hints, static=static,
-                              managed=managed)
-
-    @classmethod
-    def for_model(cls, model, method: str = "full", budget: int | None = None, *, policy=None,
-                  horizon: int | None = None, tokenizer=None, **settings) -> "SieveCache":
+    def for_model(cls, model, method: str = "full", budget: int | None = None, *, horizon: int | None = None,
+                  tokenizer=None, **settings) -> "SieveCache":
         """A cache for transformers' own ``model.generate(..., cache=cache)`` (or
         ``past_key_values=cache``) that compresses like ``kvsieve.generate`` with ``method`` at
-        ``budget`` (``settings`` as in ``make_policy``; or a ready ``policy``).  It switches ``model``
-        to kvsieve's attention and serves one call; ``horizon`` (prompt + new tokens) is needed
-        only by methods that size themselves to the row (LagKV).  See ``kvsieve.hf``."""
+        ``budget`` (``settings`` as in ``make_policy``, or ``policy=`` a ready one).  It switches
+        ``model`` to kvsieve's attention and serves one call; ``horizon`` (prompt + new tokens) is
+        needed only by methods that size themselves to the row (LagKV).  ``kvsieve.hf`` builds it
+        (a ``ScheduledCache``, which holds the schedule): this class never sees the policy."""
         if not _FOR_MODEL:
             raise RuntimeError("SieveCache.for_model is served by kvsieve.hf: import kvsieve (or kvsieve.hf) first")
-        return _FOR_MODEL[0](model, method, budget, policy=policy, horizon=horizon, tokenizer=tokenizer, **settings)
+        return _FOR_MODEL[0](model, method, budget, horizon=horizon, tokenizer=tokenizer, **settings)
 
     def prepare(self, T: int) -> bool:
         """Make room for ``T`` more tokens in every layer (host-side); True if any layer grew."""
@@ -584,6 +585,14 @@ class SieveCache(Cache):
 
     def begin_step(self, query_pos: torch.Tensor) -> None:
         self.query_pos = query_pos
+
+    def set_seen(self, seen_tokens: torch.Tensor) -> None:
+        """Every row has seen ``seen_tokens`` [B] real tokens (its next token's position)."""
+        self.seen_tokens = seen_tokens
+
+    def count_decoded(self) -> None:
+        """One more token seen by every row (a decode step; in place, so a compiled step can do it)."""
+        self.seen_tokens.add_(1)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]

@@ -31,6 +31,7 @@ from .cache import DEAD_POS
 from .checks import InputError, SettingError, check_at_least, check_fields, shown
 from .memory import check_fits
 from .policy import Hook, Policy
+from .schedule import fitted
 from .random_models import RANDOM_NOTE, is_random
 from .session import DecodeSession, _sync
 
@@ -368,7 +369,7 @@ def generate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, positions = left_pad(encoded, pad_id or 0, model.device)
     horizon = input_ids.shape[1] + config.max_new_tokens
-    policy = policy.for_horizon(horizon, prompt=max(len(ids) for ids in encoded))  # LagKV at a budget
+    policy = fitted(policy, horizon, prompt=max(len(ids) for ids in encoded))  # LagKV at a budget
     if config.kv_memory_gb is not None:
         check_fits(model, policy, len(encoded), input_ids.shape[1], config.max_new_tokens, config.kv_memory_gb)
     settings = policy.settings()
@@ -419,7 +420,6 @@ def _decode(session: DecodeSession, rows: _Rows, config: GenerateConfig, next_to
         if last:
             break
         logits = session.step(next_token)
-        session.maybe_compress()
         next_token = sample(logits, config, generator)
         if bar is not None:
             bar.update(1)

@@ -40,7 +40,8 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, check_supported, set_scheduled_step
 from .cache import DEAD_POS, SieveCache, serve_for_model
-from .policy import Policy, Schedule
+from .policy import Policy
+from .schedule import Schedule, fitted, store_settings
 
 _NO_REORDER = ("kvsieve caches keep per-row eviction state and cannot reorder, crop or copy rows, which beam "
                "search, assisted decoding and contrastive search need: use num_beams=1 without an assistant "
@@ -65,10 +66,10 @@ def prompt_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class ScheduledCache(SieveCache):
-    """A ``SieveCache`` that compresses on its policy's schedule by itself (see the module
-    docstring).  Build it with ``SieveCache.for_model``."""
+    """A ``SieveCache`` that drives its policy's schedule by itself (see the module docstring):
+    the store is built from plain numbers (``schedule.store_settings``) and the ``Schedule`` it
+    holds decides every eviction.  Build it with ``SieveCache.for_model``."""
 
-    policy: Policy
     schedule: Schedule  # when each layer compresses; its block (block-wise prefill) must hold the prompt
     passes: int = 0  # forward passes opened
     steps: int = 0  # decode steps finished (the session's ``steps``)
@@ -88,10 +89,9 @@ class ScheduledCache(SieveCache):
             raise NotImplementedError(
                 f"{policy.name} runs a host hook before every forward pass (SkipKV's sentence tracking), which "
                 "transformers' generate cannot call: use kvsieve.generate for this method")
-        policy = policy.for_horizon(horizon)  # the prompt is not seen yet: LagKV's fit does without it
+        policy = fitted(policy, horizon)  # the prompt is not seen yet: LagKV's fit does without it
         num_layers = model.config.num_hidden_layers
-        cache = cls.for_policy(policy, num_layers, horizon, managed=False)
-        cache.policy = policy
+        cache = cls(num_layers, **store_settings(policy, num_layers, horizon))
         cache.schedule = Schedule(policy, cache, horizon)
         cache._hooks = contextlib.ExitStack()  # the scorer's per-call set-up (e.g. RoPE frequencies), for the cache's life
         if policy.scorer is not None:
@@ -112,10 +112,10 @@ class ScheduledCache(SieveCache):
             block = self.schedule.block
             if block is not None and T > block:
                 raise ValueError(
-                    f"{self.policy.name} evicts block-wise while prefilling (blocks of {block}), which needs "
+                    f"{self.schedule.policy.name} evicts block-wise while prefilling (blocks of {block}), which needs "
                     f"the prompt in blocks, but transformers' generate passes its {T} tokens at once: use "
                     "kvsieve.generate, or prefill_block=False to compress the prompt once it is whole")
-            self.seen_tokens = torch.zeros(B, dtype=torch.long, device=key_states.device)
+            self.set_seen(torch.zeros(B, dtype=torch.long, device=key_states.device))
             self._prompt_tokens = (query_pos != DEAD_POS).sum(dim=-1)
             self.pending = None
         else:
@@ -123,23 +123,22 @@ class ScheduledCache(SieveCache):
                 raise ValueError("a ScheduledCache serves one generate call (one prompt, then one token per "
                                  "step): build a new one with SieveCache.for_model for every call")
             if self.passes == 1:  # the prefill is done: drop padding, compress the prompt
-                self.schedule.end_prompt(self._prompt_tokens)
+                self.schedule.record_prompt(self._prompt_tokens)
                 self.pending = "prefill"
             else:
-                self.seen_tokens = self.seen_tokens + 1
+                self.set_seen(self.seen_tokens + 1)
                 self.steps += 1
                 self.pending = "compress" if self.schedule.due(self.steps) else None
             query_pos = self.seen_tokens[:, None]
-        observe = self.passes == 0 or self.policy.observes_step(self.steps)
-        self.query_pos = query_pos
-        self.step_state = StepState(cache=self, query_pos=query_pos,
-                                    observer=self.policy.observer() if observe else None)
+        observe = self.passes == 0 or self.schedule.observes(self.steps)
+        self.begin_step(query_pos)
+        self.step_state = StepState(cache=self, query_pos=query_pos, observer=self.schedule.observer if observe else None)
         self.passes += 1
         self.tokens_in += T
 
     def _catch_up(self, layer_idx: int) -> None:
         """Layer ``layer_idx``'s compression owed since the last pass (``DecodeSession.prefill``'s
-        end, or its ``maybe_compress``), done now, before the layer is read again."""
+        end, or the compression after one of its steps), done now, before the layer is read again."""
         if self.pending is None:
             return
         if self.pending == "prefill":

@@ -7,7 +7,7 @@ memory half way; benchmarks use ``max_batch_size`` for admission under a fixed l
 Per (row, kv head, layer) a cache never holds more slots than:
 
 * no eviction (or a method without a budget): longest prompt + ``max_new_tokens``, or less
-  for a method that bounds its own cache (LagKV, ``Policy.unbudgeted_peaks``): its peak, or
+  for a method that bounds its own cache (LagKV, ``schedule.unbudgeted_peaks``): its peak, or
   the whole prompt held until its first compression when that is longer;
 * a budget ``b`` with compression every ``interval`` steps: the whole prompt right after
   prefill, and ``b + interval`` while decoding (``H_kv * b + interval`` for allocators whose
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .policy import Policy
+from .schedule import layer_budgets, unbudgeted_peaks
 
 GB = 1024**3  # kv_memory_gb counts GiB
 
@@ -40,8 +41,8 @@ def bytes_per_slot(model, policy: Policy) -> int:
 
 def slots_per_head(model, policy: Policy, prompt_len: int, max_new_tokens: int) -> list[int]:
     """Upper bound of each layer's capacity (slots per row and kv head)."""
-    budgets = policy.layer_budgets(model.config.num_hidden_layers)
-    unbudgeted = policy.unbudgeted_peaks(len(budgets), prompt_len + max_new_tokens, prompt_len)
+    budgets = layer_budgets(policy, model.config.num_hidden_layers)
+    unbudgeted = unbudgeted_peaks(policy, len(budgets), prompt_len + max_new_tokens, prompt_len)
     out = []
     for budget, own in zip(budgets, unbudgeted):
         if budget is None:

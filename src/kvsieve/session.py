@@ -6,9 +6,11 @@ same way::
     session = DecodeSession(model, policy, batch_size=B, horizon=P + N, static=..., compile=...)
     logits = session.prefill(input_ids, positions)          # chunked; prompt compression
     for step in range(N):
-        logits = session.step(next_token)                  # forward, observe, append (+ evict)
-        session.maybe_compress()                           # interval policies, every I steps
+        logits = session.step(next_token)                  # forward (+ in-place eviction), then the schedule
         ...                                                # every few steps: session.drop_finished(keep)
+
+What is evicted and when is the schedule's (``kvsieve.schedule.Schedule``); the session runs the
+forward passes, tells the schedule after each, and keeps the statistics.
 
 ``step`` never reads the device: host state (each layer's ``max_len`` bound, capacities) is
 advanced on the host, and device state (lengths, positions, per-token scores, ``seen_tokens``)
@@ -40,7 +42,8 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, cache_kwarg_name, check_supported
 from .cache import DEAD_POS, SieveCache
-from .policy import HostHooks, Policy, Schedule, evict_in_place
+from .policy import HostHooks, Policy
+from .schedule import Schedule, store_settings
 
 # Full caches in a compiled session are allocated to a multiple of this many slots, so prompts
 # whose length differs by less than the bucket share one compiled graph.
@@ -56,14 +59,14 @@ def _warn_once(message: str) -> None:
 
 
 def model_pass(model, cache: SieveCache, tokens: torch.Tensor, query_pos: torch.Tensor | None, observer,
-               evict: tuple, policy: Policy, cache_kw: str, peak: torch.Tensor | None, logits_to_keep: int = 1):
+               evict: tuple, schedule: Schedule, cache_kw: str, peak: torch.Tensor | None, logits_to_keep: int = 1):
     """One forward pass, device work only: ``tokens`` [B, T] through the model at ``query_pos``
     [B, T] (DEAD_POS on padding), observing attention when ``observer`` is set and appending K/V
     (the caller has made room, ``cache.prepare``, and counts them after, ``cache.advance``).
     ``query_pos`` None is a decode step: each row's token at its position ``seen_tokens``, then
-    ``seen_tokens += 1`` and the in-place eviction of layers ``evict`` ((layer, budget) pairs),
-    recording live tokens before it into ``peak`` [B, L].  Returns the last position's logits
-    [B, V] (every position's, [B, T, V], with ``logits_to_keep=0``).
+    ``seen_tokens += 1`` and the schedule's in-place eviction of layers ``evict`` ((layer, budget)
+    pairs, ``Schedule.evict_in_pass``), recording live tokens before it into ``peak`` [B, L].
+    Returns the last position's logits [B, V] (every position's, [B, T, V], with ``logits_to_keep=0``).
     The function that ``torch.compile`` compiles: it reads no host state that changes between steps."""
     decoding = query_pos is None
     if decoding:
@@ -75,13 +78,9 @@ def model_pass(model, cache: SieveCache, tokens: torch.Tensor, query_pos: torch.
     logits = out.logits[:, -1] if logits_to_keep == 1 else out.logits
     if not decoding:
         return logits
-    cache.seen_tokens.add_(1)
+    cache.count_decoded()
     if evict:
-        live = torch.stack([layer.lengths.sum(dim=1) for layer in cache.layers], dim=1)
-        torch.maximum(peak, live, out=peak)
-        prompt_len = policy.protected_prompt(cache)
-        for index, budget in evict:
-            evict_in_place(cache.layers[index], policy, budget, cache.seen_tokens, excess=1, prompt_len=prompt_len)
+        schedule.evict_in_pass(cache, evict, peak)
     return logits
 
 
@@ -127,7 +126,7 @@ def _next_pow2(n: int) -> int:
 
 
 class DecodeSession:
-    """One batch, one policy: ``prefill``, ``step``, ``maybe_compress``, ``drop_finished``.
+    """One batch, one policy: ``prefill``, ``step``, ``drop_finished``.
 
     Parameters
     ----------
@@ -140,10 +139,13 @@ class DecodeSession:
         (random's, ``Needs.traceable``) say so once and run eagerly.
     hooks : objects with ``attach(model, tokenizer)`` (a scorer, a steering vector) entered for
         the session's life by ``attached(tokenizer)``.
+    store : the KV store's class, built as ``store(num_layers, grow_chunk=, static=, managed=True,
+        **schedule.store_settings(...))``: ``SieveCache``, or another ``engine.Store`` that the
+        attention function can read (``tests/test_engine.py``'s dense store).
     """
 
     def __init__(self, model, policy: Policy, *, batch_size: int, horizon: int, static: bool = False,
-                 compile: bool = False, grow_chunk: int = 256):
+                 compile: bool = False, grow_chunk: int = 256, store: type = SieveCache):
         check_supported(model)
         self.model, self.policy = model, policy
         self.scorer = policy.scorer
@@ -154,9 +156,10 @@ class DecodeSession:
             horizon = -(-horizon // CAPACITY_BUCKET) * CAPACITY_BUCKET
         self.horizon = horizon
         self.grow_chunk = grow_chunk
-        self.cache = SieveCache.for_policy(policy, self.num_layers, horizon, static=self.static, grow_chunk=grow_chunk)
-        self.schedule = Schedule(policy, self.cache, horizon)  # when to compress: the only caller of compression
-        self.observer = policy.observer()
+        self.cache = store(self.num_layers, grow_chunk=grow_chunk, static=self.static, managed=True,
+                           **store_settings(policy, self.num_layers, horizon))
+        # what is evicted and when: the schedule, told after every forward pass
+        self.schedule = Schedule(policy, self.cache, horizon, on_compress=self._record_peak)
         self.cache_kw = cache_kwarg_name(model)
         self.device = model.device
         # cache row -> original batch row, or None for a finished row kept to fill a batch bucket
@@ -164,7 +167,6 @@ class DecodeSession:
         self.rows = torch.arange(batch_size, device=self.device)  # the same, on the device (fillers: their old row)
         self.on_tokens: list = []  # per-token host hooks, called before every forward
         self.on_rows_leave: list = []  # host hooks called before finished rows leave the cache
-        self.steps = 0  # decode steps done
         self.compile_s = 0.0  # seconds spent in steps that compiled a graph
         self.compiled_steps = 0  # steps that ran the compiled function
         self.compression_events = [0] * batch_size  # per original row
@@ -175,11 +177,8 @@ class DecodeSession:
         self.kv_bytes_trace: list[tuple[int, int]] = []  # (decode step, allocated bytes) at each change
         self.live_kv_trace: list[tuple[int, float]] = []  # (decode step, mean live tokens per row, layer, head)
         self.peak_kv_bytes = [0] * batch_size
-        # Every-step policies that may drop tokens in place do so inside the step.
-        self.evicts_in_step = (self.scorer is not None and self.scorer.needs.slot_order_free and policy.interval == 1
-                               and not policy.allocator.ragged_heads)
         self._compiled = compiled_decode_step(self.device.type) if compile else None
-        if compile and self.evicts_in_step and not self.scorer.needs.traceable:
+        if compile and self.schedule.evicts_in_step and not self.scorer.needs.traceable:
             _warn_once(f"{policy.name}: its scores cannot be traced into a compiled step (a host random "
                        "generator); this session decodes eagerly")
             self._compiled = None
@@ -197,7 +196,7 @@ class DecodeSession:
                     if hook is not None:
                         self._add_hooks(stack.enter_context(hook.attach(self.model, tokenizer)))
                 if self.on_tokens:  # host hooks watch every step and compression: the eager path
-                    self.evicts_in_step = False  # evictions go through compress_layer, where hooks see them
+                    self.schedule.evict_between_steps()  # evictions go through compress_layer, where hooks see them
                     if self.compile:
                         _warn_once(f"{self.policy.name}: per-token host hooks (SkipKV sentence tracking, steering "
                                    "or trace recording) cannot run inside a compiled step; this session decodes eagerly")
@@ -226,7 +225,7 @@ class DecodeSession:
         for hook in self.on_tokens:
             hook(tokens, cache.seen_tokens[:, None] if query_pos is None else query_pos, self.rows)
         grew = cache.prepare(T)
-        args = (self.model, cache, tokens, query_pos, observer, evict, self.policy, self.cache_kw, self._step_peak,
+        args = (self.model, cache, tokens, query_pos, observer, evict, self.schedule, self.cache_kw, self._step_peak,
                 logits_to_keep)
         if query_pos is None and self._compiled is not None and self._steady():
             graphs, t0 = compiled_graphs(), time.perf_counter()
@@ -248,26 +247,18 @@ class DecodeSession:
         ``chunk`` (in the policy's blocks for block-wise prefill eviction, compressing after each,
         ``Policy.prefill_block``), and compresses after the prompt when the policy compresses it.
         Returns the last position's logits [B, V] (every position's, [B, P, V], with ``all_logits``)."""
-        cache, policy, scorer, schedule = self.cache, self.policy, self.scorer, self.schedule
+        schedule = self.schedule
         chunk = schedule.block or chunk  # the block m of block-wise eviction
-        cache.seen_tokens = torch.zeros(input_ids.shape[0], dtype=torch.long, device=self.device)
+        self.cache.set_seen(torch.zeros(input_ids.shape[0], dtype=torch.long, device=self.device))
         pieces = []
         for start in range(0, input_ids.shape[1], chunk):
             part = slice(start, start + chunk)
-            logits = self._pass(input_ids[:, part], positions[:, part], self.observer, 0 if all_logits else 1)
+            logits = self._pass(input_ids[:, part], positions[:, part], schedule.observer, 0 if all_logits else 1)
             pieces.append(logits)
-            if schedule.compresses_blocks:  # block-wise prefill eviction
-                cache.seen_tokens = (positions[:, : part.stop] != DEAD_POS).sum(dim=1)
-                self._record_peak()  # each block's tokens are held until this compression
-                schedule.compress()
-        schedule.end_prompt((positions != DEAD_POS).sum(dim=1))
-        if schedule.compresses_prompt:
-            self._record_peak()
-        if schedule.finish_prompt(self.grow_chunk):
+            schedule.after_block(positions[:, : part.stop])  # block-wise prefill eviction, when on
+        # static: room for every append until the next compression (or the end, for full)
+        if schedule.end_prompt((positions != DEAD_POS).sum(dim=1), self.grow_chunk, static=self.static):
             self._count_event()
-        if self.static:  # room for every append until the next compression (or the end, for full)
-            for layer in cache.layers:
-                layer.reserve(max(layer.capacity_hint, layer.max_len + (policy.interval if scorer else 0)))
         self._note_bytes()
         self._pin_for_cuda_graphs()
         return torch.cat(pieces, dim=1) if all_logits else logits
@@ -293,36 +284,26 @@ class DecodeSession:
         return all(layer.capacity == layer.capacity_hint and layer.max_len < layer.capacity
                    for layer in self.cache.layers)
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step for every cache row: ``tokens`` [B] in, next-token logits [B, V] out."""
-        policy, cache = self.policy, self.cache
-        observer = self.observer if policy.observes_step(self.steps) else None
-        evict = ()
-        if self.evicts_in_step:  # layers at budget and at capacity budget + 1 drop one token each
-            budgets = self.schedule.budgets
-            bounds = [policy.layer_bound(cache, b) for b in budgets]  # + the longest prompt if protected
-            evict = tuple((i, b) for i, (layer, b, bound) in enumerate(zip(cache.layers, budgets, bounds))
-                          if b is not None and layer.max_len == bound and layer.capacity == bound + 1)
-            if evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
-                self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)
-        logits = self._pass(tokens[:, None], None, observer, evict=evict)
-        for index, budget in evict:
-            cache.layers[index].max_len = policy.layer_bound(cache, budget)
-        if evict:
-            self._count_event()
-        self.steps += 1
-        return logits
+    @property
+    def steps(self) -> int:
+        """Decode steps done (the schedule counts them)."""
+        return self.schedule.steps
 
-    def maybe_compress(self) -> bool:
-        """Compress every layer over its budget when the schedule says so (every ``interval``
-        decode steps); host-side decision, no device read. True if anything was compressed."""
-        if not self.schedule.due(self.steps) or not self.schedule.any_due():
-            return False
-        self._record_peak()
-        self.schedule.compress()
-        self._count_event()
-        self._note_bytes()
-        return True
+    def step(self, tokens: torch.Tensor, compress: bool = True) -> torch.Tensor:
+        """One decode step for every cache row: ``tokens`` [B] in, next-token logits [B, V] out.
+        The schedule's plan says whether the pass observes attention and which layers drop one
+        token inside it; after the pass the schedule compresses what is due (``compress`` False:
+        only the in-pass eviction, for benchmarks that time a compression apart)."""
+        plan = self.schedule.plan_step()
+        if plan.evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
+            self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)
+        logits = self._pass(tokens[:, None], None, plan.observer, evict=plan.evict)
+        if plan.evict:
+            self._count_event()
+        if self.schedule.after_step(plan, compress):
+            self._count_event()
+            self._note_bytes()
+        return logits
 
     # ------------------------------------------------------------------ rows
     def drop_finished(self, finished: list[int]) -> torch.Tensor | None:

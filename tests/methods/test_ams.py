@@ -16,8 +16,8 @@ from kvsieve.attention import StepState, sieve_attention, window_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
 from kvsieve.methods.ams import CREDIT, ema_credit, quality_mass
-from kvsieve.policy import compress_layer, indices_from_mask
-from kvsieve.segments import (SegmentQuotas, allocate_quotas, fill_to_budget, segment_ids, segment_starts,
+from kvsieve.schedule import compress_layer, indices_from_mask
+from kvsieve.methods._segments import (SegmentQuotas, allocate_quotas, fill_to_budget, segment_ids, segment_starts,
                               top_per_segment)
 
 B, H, G, D = 2, 2, 3, 8

@@ -23,7 +23,7 @@ from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
 from kvsieve.methods.caote import caote_errors
 from kvsieve.methods.tova import TOVA
-from kvsieve.policy import indices_from_mask
+from kvsieve.schedule import indices_from_mask, observer
 
 B, H, G, D = 2, 2, 3, 8
 HQ = H * G
@@ -174,7 +174,7 @@ def test_tova_per_query_head_scores_are_each_heads_attention_row_or_their_layer_
     Layer mode: the layer mean, read from the state observed in the forward pass ([B, H, 1, cap])."""
     policy = make_policy("tova", budget=8, heads=heads)
     layer, seen = decode_cache(6, ragged=heads == "group", meta_init=policy.scorer.needs.meta,
-                               observer=policy.observer())  # layer mode: every head holds the same tokens
+                               observer=observer(policy))  # layer mode: every head holds the same tokens
     fast = policy.scorer.score_per_query_head(layer, seen)
     assert fast.shape[2] == (G if heads == "group" else 1)
     live = layer.live()
@@ -222,7 +222,7 @@ def test_layer_averaged_tova_gives_one_score_per_layer_from_every_heads_change()
     changes together (App. B.2 Case 2 over the layer), the same for every kv head."""
     policy = make_policy("caote:tova", budget=4)
     layer, seen = decode_cache(4, ragged=False, meta_init=policy.scorer.needs.meta,
-                               observer=policy.observer())  # TOVA's layer average needs aligned heads
+                               observer=observer(policy))  # TOVA's layer average needs aligned heads
     assert policy.scorer.needs.aligned_heads
     scores = policy.scorer.score(layer, seen)
     for b in range(B):
@@ -241,7 +241,7 @@ def test_output_from_the_attention_pass_gives_the_same_scores(method, settings):
     attention pass, which returns o = h V (Eq. 20) and o.v_j with its own output; scores from
     them equal scores recomputed at compression, and any change to the store drops them."""
     policy = make_policy(method, budget=4, **settings)
-    layer, seen = decode_cache(7, meta_init=policy.scorer.needs.meta, observer=policy.observer())
+    layer, seen = decode_cache(7, meta_init=policy.scorer.needs.meta, observer=observer(policy))
     h, out, dots = layer.step_results["value_mix"]
     assert h.shape[:2] == (B, H) and h.shape[-1] == layer.capacity
     if method.startswith("fast"):  # uniform weights: the mean of the live values (Eq. 22)
@@ -291,8 +291,8 @@ def test_wrapper_keeps_the_base_schedule_state_and_settings():
     for i in range(2):
         cache.update(torch.randn(B, H, 5, D), torch.randn(B, H, 5, D), i)
     probs = torch.rand(B, H, G, 2, cache.layers[0].capacity)
-    base.observer()(cache.layers[0], 0, probs, None)
-    wrapped.observer()(cache.layers[1], 1, probs, None)
+    observer(base)(cache.layers[0], 0, probs, None)
+    observer(wrapped)(cache.layers[1], 1, probs, None)
     assert torch.equal(cache.layers[0].meta["acc"], cache.layers[1].meta["acc"])  # H2O's own update
     tova = make_policy("caote:tova", budget=64, heads="group", recent=4)
     assert tova.scorer.inner.heads == "group" and tova.recent == 4 and tova.scorer.needs.query_window == 1

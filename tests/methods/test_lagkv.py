@@ -20,8 +20,9 @@ from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.eval.perplexity import score_text
 from kvsieve.methods import make_policy
 from kvsieve.methods.lagkv import LagKV, peak_tokens, scheduled_peak
-from kvsieve.policy import Feed, compress_layer, drop_dead_layer
-from kvsieve.policy import Schedule
+from kvsieve.policy import Feed
+from kvsieve import schedule
+from kvsieve.schedule import Schedule, compress_layer, drop_dead_layer, observer
 from kvsieve.random_models import ByteTokenizer
 
 H, D = 2, 3
@@ -237,7 +238,7 @@ def test_ratio_one_never_compresses_and_bad_settings_are_rejected():
         with pytest.raises(ValueError, match=match):
             make_policy("lagkv", **bad)
     with pytest.raises(ValueError, match="no room after 16 sinks"):
-        make_policy("lagkv", budget=18).for_horizon(500)
+        schedule.fitted(make_policy("lagkv", budget=18), 500)
 
 
 def simulate(S: int, L: int, k: int, fed: int, prompt: int = 0, pad: int = 0, block: int | None = None,
@@ -295,7 +296,7 @@ def rows(prompt: int, horizon: int) -> list[tuple[int, int, int]]:
 def simulate_rows(scorer, policy, prompt, horizon) -> list[tuple[int, int, int]]:
     """(prompt, peak, peak after the whole prompt's wait) of every row of ``rows``."""
     S, L, k = scorer.sinks, scorer.lag, scorer.kept
-    feed = policy.feed(prompt)
+    feed = schedule.feed(policy, prompt)
     return [(p, *simulate(S, L, k, fed, p, pad, feed.block, feed.interval, feed.compress_prefill))
             for p, pad, fed in rows(prompt, horizon)]
 
@@ -345,7 +346,7 @@ def test_budget_fit_never_exceeds_the_budget_and_leaves_the_grid_only_when_asked
     fits = [max(1, round(r * L)) for (L, r), p in true_peak.items() if p <= budget]
     fills = [max(1, round(r * L)) for (L, r), p in true_peak.items() if 0.8 * budget <= p <= budget]
     try:
-        scorer = policy.for_horizon(horizon).scorer
+        scorer = schedule.fitted(policy, horizon).scorer
     except ValueError as err:
         assert horizon > budget and not fits and "lagkv: budget" in str(err) and "\n" not in str(err)
         least = smallest_named(err)
@@ -353,10 +354,10 @@ def test_budget_fit_never_exceeds_the_budget_and_leaves_the_grid_only_when_asked
             assert "set off_grid=true" in str(err) and least == min(horizon, *true_peak.values())
         else:
             assert "even off the paper's grid" in str(err)
-            fitted = make_policy("lagkv", budget=least, off_grid=True).for_horizon(horizon).scorer
+            fitted = schedule.fitted(make_policy("lagkv", budget=least, off_grid=True), horizon).scorer
             assert one_at_a_time(16, fitted.lag, fitted.kept, horizon) <= least
         with pytest.raises(ValueError):
-            make_policy("lagkv", budget=least - 1, off_grid=off_grid).for_horizon(horizon)
+            schedule.fitted(make_policy("lagkv", budget=least - 1, off_grid=off_grid), horizon)
         return
     if horizon <= budget:
         assert scorer.ratio == 1 and "nothing has to go" in scorer.fit_note
@@ -397,15 +398,15 @@ def test_budget_fit_holds_on_every_schedule_for_every_row_of_a_padded_batch(budg
     for off_grid in (False, True):
         policy = make_policy("lagkv", budget=budget, off_grid=off_grid, **FEEDS[feed])
         try:
-            scorer = policy.for_horizon(horizon, prompt).scorer
+            scorer = schedule.fitted(policy, horizon, prompt).scorer
         except ValueError as err:
             least = smallest_named(err)
             policy = make_policy("lagkv", budget=least, off_grid=off_grid, **FEEDS[feed])
-            scorer = policy.for_horizon(horizon, prompt).scorer
+            scorer = schedule.fitted(policy, horizon, prompt).scorer
             budget_checked = least
         else:
             budget_checked = budget
-        held = policy.feed(prompt).held
+        held = schedule.feed(policy, prompt).held
         for p, peak, after in simulate_rows(scorer, policy, prompt, horizon):
             assert after <= budget_checked and peak <= max(budget_checked, held), (off_grid, p, peak, after)
         if held > budget_checked:
@@ -417,16 +418,16 @@ def test_below_the_grid_is_refused_with_the_smallest_budget_that_fits():
     message = ("lagkv: budget 64 at horizon 900 fits no setting of the paper's grid (Sec. 3.1, S=16); the smallest "
                "budget that fits is 340; raise budget=, or set off_grid=true to fit L and r outside the grid")
     with pytest.raises(ValueError, match=re.escape(message)):
-        make_policy("lagkv", budget=64).for_horizon(900)
+        schedule.fitted(make_policy("lagkv", budget=64), 900)
     with pytest.raises(ValueError, match=re.escape(
             "lagkv: budget 64 at horizon 900 fits no setting even off the paper's grid (one token kept per partition "
             "at least, S=16); the smallest budget that fits is 98; raise budget= or generate fewer tokens")):
-        make_policy("lagkv", budget=64, off_grid=True).for_horizon(900)
+        schedule.fitted(make_policy("lagkv", budget=64, off_grid=True), 900)
     assert min(one_at_a_time(16, L, 1, 900) for L in range(2, 443)) == 98  # brute force over every L
     for horizon, least in [(700, 320), (900, 340), (1300, 400)]:  # the smallest grid budgets (module docstring)
-        assert make_policy("lagkv", budget=least).for_horizon(horizon).scorer.in_paper_grid
+        assert schedule.fitted(make_policy("lagkv", budget=least), horizon).scorer.in_paper_grid
         with pytest.raises(ValueError, match=f"the smallest budget that fits is {least};"):
-            make_policy("lagkv", budget=least - 1).for_horizon(horizon)
+            schedule.fitted(make_policy("lagkv", budget=least - 1), horizon)
     with pytest.raises(ValueError) as err:
         make_policy("lagkv", off_grid="yes")
     assert str(err.value) == "off_grid= must be true or false, got 'yes' (str)"
@@ -438,7 +439,7 @@ def test_hand_settings_are_flagged_against_the_grid_and_the_fit_fields_are_fitte
     assert not make_policy("lagkv", lag=32).scorer.in_paper_grid
     assert not make_policy("lagkv", ratio=0.3).scorer.in_paper_grid
     assert not make_policy("lagkv", in_paper_grid=True, lag=64).scorer.in_paper_grid  # derived, never taken
-    settings = make_policy("lagkv", budget=128, off_grid=True).for_horizon(700).settings()
+    settings = schedule.fitted(make_policy("lagkv", budget=128, off_grid=True), 700).settings()
     assert settings["in_paper_grid"] is False and settings["off_grid"] is True
     assert "OFF the paper's grid" in settings["fit_note"] and "failing regime" in settings["fit_note"]
     assert {"lag", "ratio", "in_paper_grid", "fit_note"} <= set(LagKV.needs.fitted_fields)  # resume compares the rest
@@ -471,7 +472,7 @@ def test_long_row_compresses_without_attention_weights_short_row_is_untouched(sm
     monkeypatch.setattr(attention_module, "window_attention", refuse)
     S, L, k = 4, 32, 8
     policy = make_policy("lagkv", sinks=S, lag=L, ratio=0.25)
-    assert policy.observer() is None and policy.scorer.needs.query_window == 0
+    assert observer(policy) is None and policy.scorer.needs.query_window == 0
     result = generate(*smollm, [SHORT, LONG], policy, GenerateConfig(max_new_tokens=24, check_every=1))
     fed = [s.prompt_tokens + s.generated_tokens - 1 for s in result.stats]
     assert fed[0] < S + 2 * L <= fed[1]
@@ -542,15 +543,15 @@ def test_the_engine_peak_per_kv_head_is_the_simulated_one_within_the_budget(tiny
     horizon, longest = max(prompts) + new, max(prompts)
     if budget is None:
         with pytest.raises(ValueError) as refused:
-            make_policy("lagkv", budget=64, **settings).for_horizon(horizon, longest)
+            schedule.fitted(make_policy("lagkv", budget=64, **settings), horizon, longest)
         budget = smallest_named(refused.value)
     policy = make_policy("lagkv", budget=budget, **settings)
     config = GenerateConfig(max_new_tokens=new, ignore_eos=True)
     result = generate(model, tok, ["x" * n for n in prompts], policy, config)
-    scorer = policy.for_horizon(horizon, longest).scorer
+    scorer = schedule.fitted(policy, horizon, longest).scorer
     assert result.settings["lag"] == scorer.lag and result.settings["fit_note"] == scorer.fit_note
     assert result.settings["in_paper_grid"] == (not settings.get("off_grid", False))
-    feed, n_kv = policy.feed(longest), model.config.num_key_value_heads
+    feed, n_kv = schedule.feed(policy, longest), model.config.num_key_value_heads
     S, L, k = scorer.sinks, scorer.lag, scorer.kept
     for stat, p in zip(result.stats, prompts):
         assert stat.prompt_tokens == p and stat.generated_tokens == new

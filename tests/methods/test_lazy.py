@@ -17,8 +17,7 @@ from kvsieve.methods import make_policy
 from kvsieve.methods._timestamps import threshold
 from kvsieve.methods.lazy import LazyEviction, h1_score, h2_score, importance
 from kvsieve.methods.raas import RaaS
-from kvsieve.policy import compress_layer
-from kvsieve.policy import Schedule
+from kvsieve.schedule import Schedule, compress_layer
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
 MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
 LONG = ("Here is a short story. A fox lived near a river and every morning it walked to the water "
@@ -449,7 +448,7 @@ def watch_compress(monkeypatch):
     calls, original = [], Schedule.compress
 
     def watched(schedule):
-        cache = schedule.cache
+        cache = schedule.store
         before = [layer.lengths.clone() for layer in cache.layers]
         capacity = [layer.capacity for layer in cache.layers]
         did = original(schedule)

@@ -11,10 +11,9 @@ from kvsieve import GenerateConfig, generate
 from kvsieve.cache import SieveCache
 from kvsieve.methods import make_policy
 from kvsieve.methods.raas import RaaS
-from kvsieve.policy import compress_layer
+from kvsieve.schedule import compress_layer
 
-gen_module = importlib.import_module("kvsieve.session")  # the module whose decode step evicts
-policy_module = importlib.import_module("kvsieve.policy")
+schedule_module = importlib.import_module("kvsieve.schedule")  # the module that evicts, in the step and after it
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
 MEDIUM = "Tell me a story about a fox and a heron."  # 42 tokens
 
@@ -97,10 +96,11 @@ def test_end_to_end_prompts_survive_and_eviction_is_lru(smollm, monkeypatch):
         checked.append(True)
         return result
 
-    real_evict, real_compress_layer = gen_module.evict_in_place, policy_module.compress_layer
-    monkeypatch.setattr(gen_module, "evict_in_place", lambda layer, pol, b, seen, excess, scores=None, prompt_len=None: check_layer(
-        layer, pol, seen, lambda: real_evict(layer, pol, b, seen, excess, scores, prompt_len)))
-    monkeypatch.setattr(policy_module, "compress_layer", lambda layer, pol, b, seen, *prompt: check_layer(
+    real_evict, real_compress_layer = schedule_module.evict_in_place, schedule_module.compress_layer
+    monkeypatch.setattr(schedule_module, "evict_in_place", lambda layer, pol, b, seen, excess, scores=None, prompt_len=None,
+                        max_len=None: check_layer(
+        layer, pol, seen, lambda: real_evict(layer, pol, b, seen, excess, scores, prompt_len, max_len)))
+    monkeypatch.setattr(schedule_module, "compress_layer", lambda layer, pol, b, seen, *prompt: check_layer(
         layer, pol, seen, lambda: real_compress_layer(layer, pol, b, seen, *prompt)))
     result = generate(model, tok, [SHORT, MEDIUM], policy, GenerateConfig(max_new_tokens=24))
     assert len(checked) >= 30  # evictions really ran (30 layers)

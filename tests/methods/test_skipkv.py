@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve import GenerateConfig, generate
-from kvsieve import policy as policy_module
+from kvsieve import schedule as schedule_module
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.generate import encode_prompts
 from kvsieve.methods import make_policy
 from kvsieve.methods._sentences import DELIMITERS, vocab_ids
 from kvsieve.methods.skipkv import SentenceTable, SkipKV
-from kvsieve.policy import compress_layer
+from kvsieve.schedule import compress_layer
 
 END = 0  # the delimiter token id in the hand-made tests
 SHORT = "What is 7 times 8?"  # 38 tokens with SmolLM2's chat template
@@ -214,7 +214,7 @@ def test_small_budget_stays_within_budget_plus_interval(smollm, monkeypatch):
     ``Schedule`` calls for every layer over budget) cuts the layer from at most budget +
     interval down to the budget, with every live slot labelled and sentence ids in order."""
     budget, interval = 48, 8
-    calls, original = [], policy_module.compress_layer
+    calls, original = [], schedule_module.compress_layer
 
     def watched(layer, policy, layer_budget, seen_tokens, *prompt):
         before = layer.lengths.clone()
@@ -224,7 +224,7 @@ def test_small_budget_stays_within_budget_plus_interval(smollm, monkeypatch):
         assert (sent[..., 1:][live[..., 1:]] >= sent[..., :-1][live[..., 1:]]).all()
         calls.append((tuple(seen_tokens.tolist()), before, layer.lengths.clone()))
 
-    monkeypatch.setattr(policy_module, "compress_layer", watched)
+    monkeypatch.setattr(schedule_module, "compress_layer", watched)
     result = run(smollm, make_policy("skipkv", budget=budget, interval=interval), 40)
     assert calls
     for _, before, after in calls:

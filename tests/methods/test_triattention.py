@@ -15,7 +15,7 @@ from kvsieve import GenerateConfig, SieveCache, generate
 from kvsieve.cache import SieveCache as Cache
 from kvsieve.methods import make_policy
 from kvsieve.methods.triattention import QueryStats, StatsModelError
-from kvsieve.policy import compress_layer
+from kvsieve.schedule import compress_layer
 
 B, HKV, G, D = 2, 2, 3, 8
 HQ, F = HKV * G, D // 2

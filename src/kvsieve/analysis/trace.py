@@ -230,12 +230,10 @@ class TracingScorer(Scorer):
         self.recording.compressed(layer, seen_tokens)
         return chosen
 
-    def fit_budget(self, budget, horizon, feed):
-        """The fitted inner scorer, still traced (LagKV at a budget)."""
-        return TracingScorer.around(self.inner.fit_budget(budget, horizon, feed), self.recording)
-
-    def peak_bound(self, horizon, feed):
-        return self.inner.peak_bound(horizon, feed)
+    def sized(self, horizon, feed, budget=None):
+        """The inner scorer's peak, and with a budget its fitted copy, still traced (LagKV)."""
+        inner, peak = self.inner.sized(horizon, feed, budget)
+        return (self if inner is self.inner else TracingScorer.around(inner, self.recording)), peak
 
 
 class TraceRecorder:

@@ -62,11 +62,11 @@ def filled_session(model, policy, batch: int, length: int, steps: int, compile: 
 
 
 def decode_untimed(session: DecodeSession, count: int) -> None:
-    """``count`` decode steps that append one token per row each and compress nothing (a method
-    with an interval compresses only in ``maybe_compress``): the cache grows as in generation."""
+    """``count`` decode steps that append one token per row each and compress nothing after the
+    pass (``step(compress=False)``): the cache grows as in generation."""
     token = torch.zeros(len(session.slots), dtype=torch.long, device=session.device)
     for _ in range(count):
-        session.step(token)
+        session.step(token, compress=False)
 
 
 class _Timed:
@@ -104,12 +104,11 @@ class _Timed:
 
     def step(self) -> float:
         """Seconds of one decode step: the forward pass, then an every-step method's eviction
-        (inside the step for in-place evictors, else ``maybe_compress``)."""
+        (inside the step for in-place evictors, else after it); an interval method's compression
+        is timed apart (``compression``)."""
         _sync(self.model)
         t0 = time.perf_counter()
-        self.session.step(self.token)
-        if self.interval == 1:
-            self.session.maybe_compress()
+        self.session.step(self.token, compress=self.interval == 1)
         _sync(self.model)
         return time.perf_counter() - t0
 

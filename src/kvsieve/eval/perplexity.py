@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..policy import Policy
+from ..schedule import fitted
 from ..session import DecodeSession
 
 
@@ -50,7 +51,7 @@ def score_text(model, tokenizer, text: str, policy: Policy | None = None, max_to
     ids_t = torch.tensor([ids], device=model.device)
     positions = torch.arange(len(ids), device=model.device)[None]
     prefill = len(ids) if policy.scorer is None else max(1, min(policy.budget or len(ids), len(ids)))
-    policy = policy.for_horizon(len(ids), prompt=prefill)  # LagKV at a budget, as in generate
+    policy = fitted(policy, len(ids), prompt=prefill)  # LagKV at a budget, as in generate
     session = DecodeSession(model, policy, batch_size=1, horizon=len(ids))
     start = time.perf_counter()
     with session.attached(tokenizer):
@@ -63,7 +64,6 @@ def score_text(model, tokenizer, text: str, policy: Policy | None = None, max_to
             if t == len(ids) - 1:
                 break
             logp = session.step(ids_t[:, t]).float().log_softmax(dim=-1)
-            session.maybe_compress()
         final, peak, _ = session.row_kv_tokens([0])
     score = TextScore(nll=nll.item(), scored_tokens=len(ids) - 1, prompt_tokens=len(ids), peak_kv_tokens=peak[0],
                       final_kv_tokens=final[0], peak_kv_bytes=session.peak_kv_bytes[0],

@@ -29,7 +29,7 @@ import torch
 
 from ..cache import DEAD_POS
 from ..checks import SettingError
-from ..policy import reduce_group
+from ._common import reduce_group
 
 TS_UNSET = -1.0  # meta_init of "ts": replaced by the token's own position (its birth step)
 

@@ -80,8 +80,8 @@ class WrappingScorer(Scorer):
     def should_compress(self, layer, budget):
         return self.inner.should_compress(layer, budget)
 
-    def fit_budget(self, budget, horizon, feed):
-        return self.inner.fit_budget(budget, horizon, feed)
-
-    def peak_bound(self, horizon, feed):
-        return self.inner.peak_bound(horizon, feed)
+    def sized(self, horizon, feed, budget=None):
+        """The base's peak; a wrapper needs a budgeted base, which never fits its own settings."""
+        if budget is not None:
+            raise NotImplementedError(f"{self.name} has no budget-to-settings rule")
+        return self, self.inner.sized(horizon, feed)[1]

@@ -16,7 +16,7 @@ compression event, for every (row, kv head), vectorised over both (Algorithm 1, 
    ``m_used = normalize(beta m + (1 - beta) normalize(c))``.  ``c`` is per-token metadata
    (``meta["ams_credit"]``): the engine's one gather compacts it with K/V, new tokens enter at 0.
 3-5. segments, quotas and selection (Sec. 3.3, Alg. 1 lines 14-41) are allocation: the wrapper
-   hands the mass to a ``kvsieve.segments.SegmentQuotas`` built from its settings, which cuts it
+   hands the mass to a ``kvsieve.methods._segments.SegmentQuotas`` built from its settings, which cuts it
    into segments, splits the budget T_keep into per-segment quotas and fills them by the base
    score (must-keep first, Sec. 3.3, or as Algorithm 1 orders it: ``order``); ``select``
    returns that keep mask and the engine gathers once (lines 43-44).
@@ -52,8 +52,9 @@ import torch
 
 from ..attention import window_attention
 from ..cache import DEAD_POS
-from ..policy import HEAD_REDUCTIONS, About, check_choice, pool_along_sequence, reduce_group
-from ..segments import SegmentQuotas, normalize
+from ..policy import About, check_choice
+from ._common import HEAD_REDUCTIONS, pool_along_sequence, reduce_group
+from ._segments import SegmentQuotas, normalize
 from . import register_wrapper
 from ._wrapper import WrappingScorer
 

@@ -40,8 +40,8 @@ import torch
 from ..cache import kv_field, kv_sum
 from ..policy import About
 from . import register_wrapper
+from ._common import PerQueryHeadScores
 from ._wrapper import WrappingScorer
-from .tova import TOVA
 
 
 def retention_weights(scores: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -148,12 +148,13 @@ class CAOTE(WrappingScorer):
     def base_scores(self, layer, seen_tokens) -> torch.Tensor:
         """Base scores per query head, [B, H_kv, G', cap]: G' = 1 for a base that reads no
         queries, or whose per-query-head scores are all equal (TOVA's layer mean); G' = G
-        otherwise."""
+        otherwise.  A base offering ``PerQueryHeadScores`` (TOVA) gives them itself, without a
+        copy of K/V per query head."""
         B, H = layer.lengths.shape
         group = self._group(layer)
         if group == 1:
             return self.inner.score(layer, seen_tokens)[:, :, None]
-        if isinstance(self.inner, TOVA):  # its own per-query-head scores: no K/V copy per query head
+        if isinstance(self.inner, PerQueryHeadScores):  # its own per-query-head scores: no K/V copy per query head
             return self.inner.score_per_query_head(layer, seen_tokens)
         return self.inner.score(layer.view().repeat_heads(group), seen_tokens).reshape(B, H, group, -1)
 

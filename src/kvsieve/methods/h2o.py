@@ -14,8 +14,8 @@ instead: ``recent_rule="lazy-window"``.
 
 from dataclasses import dataclass, replace
 
-from ..policy import HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, reduce_group, register
-from .lazy import DEFAULT_WINDOW
+from ..policy import About, Defaults, Needs, Scorer, check_choice, register
+from ._common import HEAD_REDUCTIONS, LAZY_WINDOW, reduce_group
 
 RECENT_RULES = ("half", "lazy-window")
 
@@ -38,7 +38,7 @@ class H2O(Scorer):
     recent_rule : str, default "half"
         The recent window when ``recent`` is not set.  "half": budget // 2, H2O's own setting
         (Sec. 5: equal heavy-hitter and recent budgets).  "lazy-window": LazyEviction's default
-        window W = 25 (``lazy.DEFAULT_WINDOW``, its Table 3 / Table 9 W for GSM8K), the H2O of
+        window W = 25 (``_common.LAZY_WINDOW``, its Table 3 / Table 9 W for GSM8K), the H2O of
         LazyEviction's comparison: "the number of recent tokens in H2O is equal to
         LazyEviction's window size" (App. C); it evicts every step, and Table 3's "H2O + window"
         adds ``interval=25``.  For another W set ``recent=W``: an explicit ``recent`` overrides
@@ -55,7 +55,7 @@ class H2O(Scorer):
     # for sinks or the prompt; compress_prefill True: kvsieve's choice, a prompt longer than the budget is
     # cut after prefill by the attention its own queries paid, so decoding starts within the budget
     defaults = Defaults(recent=half_budget,
-                        recent_doc=f"budget // 2 ({DEFAULT_WINDOW} = lazy's W if recent_rule=lazy-window)")
+                        recent_doc=f"budget // 2 ({LAZY_WINDOW} = lazy's W if recent_rule=lazy-window)")
     head_reduction: str = "sum"
     recent_rule: str = "half"
 
@@ -63,7 +63,7 @@ class H2O(Scorer):
         check_choice(self.head_reduction, HEAD_REDUCTIONS, "h2o head_reduction")
         check_choice(self.recent_rule, RECENT_RULES, "h2o recent_rule")
         if self.recent_rule == "lazy-window":
-            self.defaults = replace(self.defaults, recent=DEFAULT_WINDOW)
+            self.defaults = replace(self.defaults, recent=LAZY_WINDOW)
 
     def observe(self, layer, probs, query_pos):
         # probs: [B, H_kv, G, T, cap] -> summed over the group and this step's queries

@@ -15,7 +15,7 @@ normalises by the partition itself (Eqs. 12-13); ``lagkv-l2`` scores -||K|| (Eq.
 the first two layers whole.  No budget (``uses_budget`` False); never reads attention weights.
 
 Comparisons at a token budget B (``make_policy("lagkv", budget=B)``): the paper has no budget
-rule, so ``fit_budget`` is kvsieve's.  It fits (L, r) to the run's horizon N (longest prompt +
+rule, so ``fit_budget`` (through ``Scorer.sized``) is kvsieve's.  It fits (L, r) to the run's horizon N (longest prompt +
 max new tokens) by the cache's peak: the most tokens a row holds at the engine's compression
 checks (``scheduled_peak``).  Fed one token at a time that is ``peak_tokens``: Eq. (10) after
 each compression and S + k(q - 2) + 2L the moment one falls due, q = floor((n - S)/L).  The
@@ -209,10 +209,12 @@ class LagKV(Scorer):
         """k: tokens kept per compressed partition (at least one)."""
         return kept_tokens(self.lag, self.ratio)
 
-    def peak_bound(self, horizon: int, feed: Feed) -> int:
-        """Without a budget, the cache still peaks at Eq. (10)'s recursion on the engine's
-        schedule (``scheduled_peak``): the capacity it ever needs, so it is never grown past."""
-        return scheduled_peak(self.sinks, self.lag, self.kept, horizon, feed)
+    def sized(self, horizon: int, feed: Feed, budget: int | None = None) -> tuple["LagKV", int]:
+        """With ``budget``, (L, r) fitted to it first (``fit_budget``).  Without a budget the cache
+        still peaks at Eq. (10)'s recursion on the engine's schedule (``scheduled_peak``): the
+        capacity it ever needs, so it is never grown past."""
+        fitted = self if budget is None else self.fit_budget(budget, horizon, feed)
+        return fitted, scheduled_peak(fitted.sinks, fitted.lag, fitted.kept, horizon, feed)
 
     def fit_budget(self, budget: int, horizon: int, feed: Feed = Feed()) -> "LagKV":
         """kvsieve's budget-to-(L, r) rule (module docstring, steps 1-4) for rows of at most

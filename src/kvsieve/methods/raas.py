@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policy import HEAD_REDUCTIONS, About, Needs, Scorer, check_choice, register
+from ..policy import About, Needs, Scorer, check_choice, register
+from ._common import HEAD_REDUCTIONS
 from ._timestamps import (MODEL_FAMILY, TS_UNSET, alpha_for_call, born_timestamps, observe_timestamps,
                           resolve_alpha, threshold)
 

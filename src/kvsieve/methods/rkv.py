@@ -32,8 +32,8 @@ import torch
 
 from ..attention import visible
 from ..cache import DEAD_POS
-from ..policy import (HEAD_REDUCTIONS, About, Defaults, Scorer, check_choice, pool_along_sequence, reduce_group,
-                      register)
+from ..policy import About, Defaults, Scorer, check_choice, register
+from ._common import HEAD_REDUCTIONS, pool_along_sequence, reduce_group
 from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, unit_keys
 
 # GQA reductions: the official group max of logits before the softmax, or a reduction of the

@@ -12,8 +12,8 @@ the most recent generated queries.
 from dataclasses import dataclass, replace
 
 from ..attention import window_attention
-from ..policy import (HEAD_REDUCTIONS, About, Defaults, Needs, Scorer, check_choice, pool_along_sequence,
-                      reduce_group, register)
+from ..policy import About, Defaults, Needs, Scorer, check_choice, register
+from ._common import HEAD_REDUCTIONS, pool_along_sequence, reduce_group
 
 
 @register("snapkv")

@@ -14,7 +14,8 @@ per step instead of two.
 from dataclasses import dataclass, replace
 
 from ..attention import window_attention
-from ..policy import About, Needs, Scorer, check_choice, reduce_group, register
+from ..policy import About, Needs, Scorer, check_choice, register
+from ._common import reduce_group
 
 
 @register("tova")

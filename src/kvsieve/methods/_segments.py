@@ -26,8 +26,9 @@ from typing import ClassVar
 
 import torch
 
-from .checks import check_fields
-from .policy import check_choice, indices_from_mask
+from ..checks import check_fields
+from ..policy import check_choice
+from ..schedule import indices_from_mask
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
