@@ -38,6 +38,11 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=1.0, help="KV cache space (explicit: skips warm-up)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kvsieve", action="store_true", help="use kvsieve's scheduler and worker classes")
+    ap.add_argument("--method", default="full", help="with --kvsieve: full or streaming")
+    ap.add_argument("--budget", type=int, default=None)
+    ap.add_argument("--interval", type=int, default=None)
+    ap.add_argument("--record-queries", type=int, default=0, help="with --kvsieve: queries recorded per layer")
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (CPU: a multiple of 32)")
     ap.add_argument("--save", help="write the token ids to this JSON file")
     ap.add_argument("--compare", help="compare the token ids with this JSON file")
     args = ap.parse_args()
@@ -57,7 +62,10 @@ def main() -> int:
     if args.kvsieve:
         from kvsieve.vllm import engine_kwargs
 
-        kwargs.update(engine_kwargs())
+        kwargs.update(engine_kwargs(args.method, args.budget, interval=args.interval,
+                                    record_queries=args.record_queries))
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -65,7 +73,9 @@ def main() -> int:
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     result: dict = {
-        "kvsieve": args.kvsieve,
+        "kvsieve": args.kvsieve and {"method": args.method, "budget": args.budget, "interval": args.interval,
+                                     "record_queries": args.record_queries},
+        "block_size": args.block_size,
         "import_s": round(t_import, 1),
         "engine_start_s": round(t_start, 1),
         "new_tokens": args.new_tokens,
