@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (CPU: a multiple of 32)")
     ap.add_argument("--save", help="write the token ids to this JSON file")
     ap.add_argument("--compare", help="compare the token ids with this JSON file")
+    ap.add_argument("--out", help="also write the result JSON to this file (vLLM logs to stdout too)")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -91,6 +92,8 @@ def main() -> int:
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         result["batches"][str(b)] = {"seconds": round(dt, 2), "tokens": n, "tokens_per_s": round(n / dt, 1)}
         tokens[str(b)] = [list(o.outputs[0].token_ids) for o in outs]
+        if len(outs) > len(tokens.get("prompt_token_ids", [])):
+            tokens["prompt_token_ids"] = [list(o.prompt_token_ids) for o in outs]
         if "text" not in result:
             result["text"] = outs[0].prompt + outs[0].outputs[0].text
     if args.save:
@@ -99,8 +102,11 @@ def main() -> int:
     if args.compare:
         with open(args.compare) as f:
             ref = json.load(f)
-        result["same_tokens_as_reference"] = {b: tokens.get(b) == ref.get(b) for b in ref}
+        result["same_tokens_as_reference"] = {b: tokens.get(b) == ref.get(b) for b in ref if b != "prompt_token_ids"}
     print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 

@@ -57,3 +57,18 @@ def test_compact_moves_each_heads_tokens_to_the_first_slots(layout):
 
 def test_blocks_for():
     assert [blocks_for(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+
+
+def test_cpu_layout_is_the_vec_kernels():
+    """Pinned to vLLM's CPU ``vec``/``vec16`` kernels (csrc/cpu/cpu_attn_vec.hpp, ``reshape_and_cache``):
+    per (block, head), keys column-major [D, block_size], then values row-major [block_size, D]."""
+    cache = torch.zeros(NUM_BLOCKS, H, BS, 2 * D)
+    flat = cache.view(NUM_BLOCKS, H, 2 * BS * D)
+    block, head, t = 5, 2, 3
+    for i in range(D):
+        flat[block, head, i * BS + t] = 100 + i  # key
+        flat[block, head, BS * D + t * D + i] = 200 + i  # value
+    keys, values = LAYOUTS["cpu"].key_value(cache)
+    assert keys[block, head, t].tolist() == [100 + i for i in range(D)]
+    assert values[block, head, t].tolist() == [200 + i for i in range(D)]
+    assert keys.abs().sum() == sum(100 + i for i in range(D))

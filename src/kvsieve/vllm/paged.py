@@ -27,16 +27,31 @@ class Layout(Protocol):
 
 
 class CpuLayout:
-    """vLLM's CPU attention backend (``v1/attention/backends/cpu_attn.py``): one tensor
-    ``[num_blocks, H_kv, block_size, 2 * D]`` per layer, read as ``[num_blocks, H_kv, 2 * block_size, D]``:
-    per (block, head) the block's keys, then its values (``forward``: ``view(...).chunk(2, dim=2)``)."""
+    """vLLM's CPU attention backend (``v1/attention/backends/cpu_attn.py``) with its ``vec`` and
+    ``vec16`` kernels (x86 without AMX, fp32/fp16/bf16): one tensor ``[num_blocks, H_kv, block_size,
+    2 * D]`` per layer, whose last two dimensions are not (token, k|v).  Per (block, head) it holds
+    ``2 * block_size * D`` values: the block's keys **column-major**, ``[D, block_size]`` (token
+    ``t``'s dimension ``i`` at ``i * block_size + t``), then its values row-major, ``[block_size, D]``
+    (``reshape_and_cache`` in csrc/cpu/cpu_attn_vec.hpp; vec16 inherits it).  The AMX and ARM
+    kernels pack their blocks differently: refused (``for_isa``)."""
 
     name = "cpu"
+    ISAS = ("vec", "vec16")
 
     def key_value(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, h, bs, two_d = kv_cache.shape
-        v = kv_cache.view(n, h, 2 * bs, two_d // 2)
-        return v[:, :, :bs], v[:, :, bs:]
+        d = two_d // 2
+        halves = kv_cache.view(n, h, 2, bs * d)
+        keys = halves[:, :, 0].view(n, h, d, bs).transpose(2, 3)
+        values = halves[:, :, 1].view(n, h, bs, d)
+        return keys, values
+
+    @classmethod
+    def for_isa(cls, isa: str) -> "CpuLayout":
+        if isa not in cls.ISAS:
+            raise ValueError(f"kvsieve: vLLM's CPU attention kernel {isa!r} packs its KV blocks in a layout "
+                             f"kvsieve does not read yet; supported: {', '.join(cls.ISAS)}")
+        return cls()
 
 
 class FlashAttnLayout:

@@ -19,6 +19,7 @@ Per step (docs/vllm-design.md, "The worker"):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ from .plan import Compaction, SieveSettings
 from .scheduler import settings_of
 
 logger = init_logger(__name__)
+_DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
 
 
 @dataclass
@@ -83,6 +85,11 @@ class SieveCPUModelRunner(CPUModelRunner):
             if cache.shape[2] != spec.block_size:
                 raise ValueError(f"kvsieve: KV cache blocks of {cache.shape[2]} tokens differ from the "
                                  f"scheduler's {spec.block_size}; not supported")
+        # the kernel the CPU backend picked (set on each layer by its metadata builder) fixes the layout
+        isas = {getattr(self.compilation_config.static_forward_context[name], "isa", None) for name in names}
+        if len(isas) != 1:
+            raise ValueError(f"kvsieve: attention layers use several CPU kernels {sorted(map(str, isas))}")
+        self.sieve_layout = CpuLayout.for_isa(isas.pop())
         window = self.sieve.record_queries
         if window:
             first = self.compilation_config.static_forward_context[names[0]]
@@ -152,6 +159,15 @@ class SieveCPUModelRunner(CPUModelRunner):
                 kv_positions = self.positions[:total] - offsets[req_indices]
                 self.input_batch.block_table.compute_slot_mapping(
                     num_reqs, self.query_start_loc.gpu[: num_reqs + 1], kv_positions)
+        if _DEBUG:
+            bt = self.input_batch.block_table[0]
+            print("kvsieve-debug", {"req_ids": list(req_ids), "offsets": self.sieve_offsets,
+                                    "positions": self.positions[:total].tolist(),
+                                    "seq_lens": self.seq_lens[:num_reqs].tolist(),
+                                    "opt_seq_lens": self.optimistic_seq_lens_cpu[:num_reqs].tolist(),
+                                    "slots": bt.slot_mapping.gpu[:total].tolist(),
+                                    "rows": [bt.block_table.np[i, :bt.num_blocks_per_row[i]].tolist() for i in range(num_reqs)]},
+                  flush=True)
         return result
 
 
