@@ -90,7 +90,16 @@ class SieveCPUAttentionBackend(CPUAttentionBackend):
 
 
 def install() -> None:
-    """Make this process's CPU_ATTN backend kvsieve's (vLLM's registry override)."""
+    """Make this process's CPU_ATTN backend kvsieve's (vLLM's registry override).  vLLM's selector
+    caches its choice per process (``v1/attention/selector.py``, ``@cache``): a worker process is
+    new, but an engine run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the tests) after another
+    one would keep the cached class, so the cache is cleared when the override is first made."""
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    if AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH:
+        return
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
