@@ -39,3 +39,5 @@ def test_keep_count_follows_kvsieves_schedule():
     no_prefill = SieveSettings(method="streaming", budget=64, interval=16, compress_prefill=False)
     assert keep_count(no_prefill, kv_len=100, decode_steps=0) is None
     assert keep_count(SieveSettings(), kv_len=10_000, decode_steps=16) is None  # full never compresses
+    # after a preemption's recompute (prompt + outputs at full length): at once, off the interval
+    assert keep_count(s, kv_len=300, decode_steps=37, recomputed=True) == 64

@@ -60,17 +60,20 @@ class SieveSettings:
         return self.method != "full"
 
 
-def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int) -> int | None:
+def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomputed: bool = False) -> int | None:
     """Tokens every (layer, kv head) of a request keeps when it is compressed now, or None when it
     is not.  Called by the scheduler before each step, for a request whose KV holds all its tokens
     but the last sampled one (its prompt done): ``kv_len`` tokens in its blocks, ``decode_steps``
     tokens generated into its KV since the prompt.  kvsieve's schedule (``policy.Schedule``):
     after the prompt when ``compress_prefill``, then every ``interval`` decode steps, down to the
     budget when over it.  The count is known here, before any score is computed, so the scheduler
-    frees the tail blocks itself and the worker only fills the kept slots."""
+    frees the tail blocks itself and the worker only fills the kept slots.  ``recomputed``: the
+    request was preempted and has just recomputed its prompt and outputs at full length, which
+    an unpreempted request never holds: it is compressed at once."""
     if not settings.compresses or settings.budget is None or kv_len <= settings.budget:
         return None
-    due = (decode_steps == 0 and settings.compress_prefill) or (decode_steps > 0 and decode_steps % settings.interval == 0)
+    due = (recomputed or (decode_steps == 0 and settings.compress_prefill)
+           or (decode_steps > 0 and decode_steps % settings.interval == 0))
     return settings.budget if due else None
 
 

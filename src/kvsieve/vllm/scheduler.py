@@ -142,6 +142,7 @@ class SieveScheduler(Scheduler):
         refuse_unsupported(vllm_config, kv_cache_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.sieve_offsets: dict[str, int] = {}
+        self.sieve_preemptions: dict[str, int] = {}  # preemptions already answered by a compression
         self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets)
         self.sieve_step = 0
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
@@ -155,6 +156,8 @@ class SieveScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or request.num_computed_tokens == 0:
                 del self.sieve_offsets[req_id]
+        for req_id in [r for r in self.sieve_preemptions if r not in self.requests]:
+            del self.sieve_preemptions[req_id]
 
     def _cut(self) -> dict[str, tuple[Compaction, list[list], int]]:
         """Step 1: cut the block lists of the running requests due for compression."""
@@ -169,7 +172,11 @@ class SieveScheduler(Scheduler):
             old_offset = self.sieve_offsets.get(req_id, 0)
             logical = request.num_computed_tokens
             kv_len = logical - old_offset
-            keep = keep_count(self.sieve, kv_len, logical - request.num_prompt_tokens)
+            # preempted since the last look: it has just recomputed its prompt and outputs in full
+            recomputed = request.num_preemptions > self.sieve_preemptions.get(req_id, 0)
+            if recomputed:
+                self.sieve_preemptions[req_id] = request.num_preemptions
+            keep = keep_count(self.sieve, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed)
             if keep is None or keep >= kv_len:
                 continue
             block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
