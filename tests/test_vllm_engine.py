@@ -10,11 +10,13 @@ and read the scheduler's block pool.  About 3 minutes on 2 cores, most of it eng
 """
 
 import gc
+import importlib.util
 import os
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+if importlib.util.find_spec("vllm") is not None:  # set before vLLM reads its environment
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm")
 
 from kvsieve.vllm import UnsupportedVLLM, check_vllm, engine_kwargs  # noqa: E402
