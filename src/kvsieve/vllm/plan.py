@@ -82,15 +82,19 @@ class Compaction:
     """Compress one request before this step's forward pass.
 
     ``block_ids``: the request's blocks (KV cache group 0) before compaction, which hold its
-    ``kv_len`` tokens; ``keep``: tokens each (layer, kv head) keeps, moved into the first
-    ``ceil(keep / block_size)`` of those blocks; the scheduler has already cut the request's block
-    list to them and frees the rest once this step has run.  ``logical_len``: the request's
-    ``num_computed_tokens`` (its positions run 0 .. logical_len - 1)."""
+    ``kv_len`` tokens; ``keep``: tokens each (layer, kv head) keeps, moved into the request's
+    first slots; ``kept_blocks``: the blocks it keeps, enough for ``keep`` tokens and the token
+    this step writes (the cut tail's first block serves it: the worker reads the old tokens out
+    before the forward pass writes the new one, so no block is allocated while the cut ones are
+    still held).  The scheduler has already cut the request's block list to ``kept_blocks`` and
+    frees the rest once this step has run.  ``logical_len``: the request's ``num_computed_tokens``
+    (its positions run 0 .. logical_len - 1)."""
 
     req_id: str
     block_ids: tuple[int, ...]
     kv_len: int
     keep: int
+    kept_blocks: int
     logical_len: int
 
 

@@ -6,9 +6,10 @@ the step that compacted them has run.  Selected with ``scheduler_cls``
 Per step (docs/vllm-design.md, "The scheduler"):
 
 1. before vLLM's ``schedule()``: every running request whose prompt is in and whose compression
-   is due (``plan.keep_count``) gets its block list cut to ``ceil(keep / block_size)`` blocks; the
-   cut blocks are held, not freed, since the worker still reads them; its offset becomes
-   ``logical - keep``;
+   is due (``plan.keep_count``) gets its block list cut to ``ceil((keep + 1) / block_size)``
+   blocks (its kept tokens and this step's new one, which may land in a block that held old
+   tokens: the worker reads them out before the forward pass writes it); the cut blocks are
+   held, not freed, since the worker still reads them; its offset becomes ``logical - keep``;
 2. vLLM's ``schedule()`` runs; ``allocate_slots`` sees each request's KV length, not its logical
    length (``SieveKVCacheManager``), so a compressed request asks for blocks only for what it holds;
 3. after it: a compressed request that was scheduled gets a ``Compaction`` in this step's plan; one
@@ -180,9 +181,12 @@ class SieveScheduler(Scheduler):
             if keep is None or keep >= kv_len:
                 continue
             block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
-            held = self.kv_cache_manager.shrink(req_id, keep)
+            # keep the blocks for the kept tokens and this step's one new token: the request reuses
+            # its own cut block instead of asking the pool for one while its cut blocks are held
+            held = self.kv_cache_manager.shrink(req_id, keep + 1)
+            kept_blocks = len(block_ids) - len(held[0])
             self.sieve_offsets[req_id] = logical - keep
-            pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, logical), held, old_offset)
+            pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical), held, old_offset)
         return pending
 
     def _settle(self, pending, output: SchedulerOutput) -> list[Compaction]:

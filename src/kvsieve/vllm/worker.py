@@ -30,7 +30,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
-from .paged import CpuLayout, blocks_for, compact_
+from .paged import CpuLayout, compact_
 from .plan import Compaction, SieveSettings
 from .scheduler import settings_of
 
@@ -124,9 +124,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         req_state = self.requests[c.req_id]
         if list(req_state.block_ids[0]) != list(c.block_ids):
             raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
-        n = blocks_for(c.keep, caches[0].shape[2])
         for ids in req_state.block_ids:
-            del ids[n:]
+            del ids[c.kept_blocks:]
         row = self.input_batch.req_id_to_index.get(c.req_id)
         if row is not None:
             self.input_batch.block_table.add_row(req_state.block_ids, row)
