@@ -158,15 +158,12 @@ class SieveCPUModelRunner(CPUModelRunner):
                 kv_positions = self.positions[:total] - offsets[req_indices]
                 self.input_batch.block_table.compute_slot_mapping(
                     num_reqs, self.query_start_loc.gpu[: num_reqs + 1], kv_positions)
-        if _DEBUG:
+        if _DEBUG:  # KVSIEVE_VLLM_DEBUG=1: what this step's attention reads and writes, per request
             bt = self.input_batch.block_table[0]
-            print("kvsieve-debug", {"req_ids": list(req_ids), "offsets": self.sieve_offsets,
-                                    "positions": self.positions[:total].tolist(),
-                                    "seq_lens": self.seq_lens[:num_reqs].tolist(),
-                                    "opt_seq_lens": self.optimistic_seq_lens_cpu[:num_reqs].tolist(),
-                                    "slots": bt.slot_mapping.gpu[:total].tolist(),
-                                    "rows": [bt.block_table.np[i, :bt.num_blocks_per_row[i]].tolist() for i in range(num_reqs)]},
-                  flush=True)
+            logger.info("kvsieve step: %s", {
+                "req_ids": list(req_ids), "offsets": self.sieve_offsets, "positions": self.positions[:total].tolist(),
+                "seq_lens": self.seq_lens[:num_reqs].tolist(), "slots": bt.slot_mapping.gpu[:total].tolist(),
+                "rows": [bt.block_table.np[i, :bt.num_blocks_per_row[i]].tolist() for i in range(num_reqs)]})
         return result
 
 
