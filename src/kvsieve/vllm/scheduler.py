@@ -1,0 +1,231 @@
+"""kvsieve's vLLM scheduler: decides when a request is compressed and to how many tokens, cuts
+its block list to the kept blocks, and gives the freed tail blocks back to vLLM's block pool once
+the step that compacted them has run.  Selected with ``scheduler_cls``
+(``kvsieve.vllm.engine_kwargs``); read against vLLM 0.32 (``v1/core/sched/scheduler.py``).
+
+Per step (docs/vllm-design.md, "The scheduler"):
+
+1. before vLLM's ``schedule()``: every running request whose prompt is in and whose compression
+   is due (``plan.keep_count``) gets its block list cut to ``ceil((keep + 1) / block_size)``
+   blocks (its kept tokens and this step's new one, which may land in a block that held old
+   tokens: the worker reads them out before the forward pass writes it); the cut blocks are
+   held, not freed, since the worker still reads them; its offset becomes ``logical - keep``;
+2. vLLM's ``schedule()`` runs; ``allocate_slots`` sees each request's KV length, not its logical
+   length (``SieveKVCacheManager``), so a compressed request asks for blocks only for what it holds;
+3. after it: a compressed request that was scheduled gets a ``Compaction`` in this step's plan; one
+   that was not is put back as it was; one that vLLM preempted meanwhile has its held blocks freed;
+4. ``update_from_output`` (the step has run, its compaction done): held blocks go back to the pool,
+   before vLLM's stats are made, so ``vllm:kv_cache_usage_perc`` sees them free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from . import CONFIG_KEY, check_vllm
+from .paged import blocks_for
+from .plan import Compaction, SievePlan, SieveSettings, keep_count
+
+logger = init_logger(__name__)
+
+
+def settings_of(vllm_config) -> SieveSettings:
+    extra = vllm_config.additional_config
+    return SieveSettings.from_config(extra.get(CONFIG_KEY) if isinstance(extra, dict) else None)
+
+
+def refuse_unsupported(vllm_config, kv_cache_config) -> None:
+    """One clear line for every vLLM feature kvsieve's classes cannot serve."""
+    why = []
+    if vllm_config.cache_config.enable_prefix_caching:
+        why.append("prefix caching is on (a compacted block must never be shared: --no-enable-prefix-caching)")
+    if vllm_config.speculative_config is not None:
+        why.append("speculative decoding")
+    if vllm_config.kv_transfer_config is not None:
+        why.append("a KV connector (kv_transfer_config)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        why.append("pipeline parallelism")
+    if vllm_config.scheduler_config.async_scheduling:
+        why.append("async scheduling (--no-async-scheduling)")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        why.append(f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (hybrid or sliding-window models)")
+    if vllm_config.model_config.is_encoder_decoder:
+        why.append("encoder-decoder models")
+    if why:
+        raise ValueError("kvsieve cannot serve with " + "; ".join(why))
+
+
+class _KVView:
+    """A running request as the KV cache manager should see it: its KV length, not its logical
+    length (``num_computed_tokens`` and ``num_tokens`` less the offset); everything else is the request's."""
+
+    __slots__ = ("_request", "_offset")
+
+    def __init__(self, request, offset: int):
+        self._request, self._offset = request, offset
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._request.num_computed_tokens - self._offset
+
+    @property
+    def num_tokens(self) -> int:
+        return self._request.num_tokens - self._offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+class SieveKVCacheManager(KVCacheManager):
+    """vLLM's KV cache manager, allocating a compressed request's slots from its KV length, and able
+    to cut a request's block list (``shrink``) and put it back (``unshrink``)."""
+
+    offsets: dict[str, int]
+
+    @classmethod
+    def adopt(cls, manager: KVCacheManager, offsets: dict[str, int]) -> "SieveKVCacheManager":
+        """This class over the state of the manager vLLM's scheduler built (same coordinator, same
+        block pool): no second pool, and no copy of vLLM's constructor arguments to keep in step."""
+        adopted = cls.__new__(cls)
+        adopted.__dict__.update(manager.__dict__)
+        adopted.offsets = offsets
+        return adopted
+
+    def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
+        offset = self.offsets.get(request.request_id, 0)
+        if offset:
+            # a compacted request's blocks no longer hold its tokens in order: never cache them
+            kwargs["delay_cache_blocks"] = True
+            request = _KVView(request, offset)
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    def shrink(self, request_id: str, num_tokens: int) -> list[list]:
+        """Cut the request's block list, in every group, to the blocks that hold ``num_tokens``; the
+        cut tail blocks are returned, still allocated (``release`` or ``unshrink`` them)."""
+        held = []
+        for manager in self.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks[request_id]
+            n = blocks_for(num_tokens, manager.block_size)
+            held.append(blocks[n:])
+            del blocks[n:]
+            if request_id in manager.num_cached_block:
+                manager.num_cached_block[request_id] = min(manager.num_cached_block[request_id], n)
+        return held
+
+    def unshrink(self, request_id: str, held: list[list]) -> None:
+        for manager, blocks in zip(self.coordinator.single_type_managers, held):
+            manager.req_to_blocks[request_id].extend(blocks)
+
+    def release(self, held: list[list]) -> None:
+        for blocks in held:
+            if blocks:
+                self.block_pool.free_blocks(reversed(blocks))
+
+
+@dataclasses.dataclass
+class SieveSchedulerOutput(SchedulerOutput):
+    """vLLM's scheduler output with this step's ``SievePlan`` (pickled to the worker with the rest)."""
+
+    kvsieve_plan: SievePlan | None = None
+
+
+class SieveScheduler(Scheduler):
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
+        check_vllm()
+        self.sieve = settings_of(vllm_config)
+        refuse_unsupported(vllm_config, kv_cache_config)
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.sieve_offsets: dict[str, int] = {}
+        self.sieve_preemptions: dict[str, int] = {}  # preemptions already answered by a compression
+        self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets)
+        self.sieve_step = 0
+        self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
+        self.sieve_stats = {"compactions": 0, "blocks_freed": 0}
+        logger.info("kvsieve scheduler: %s", self.sieve)
+
+    # ------------------------------------------------------------------ before and after vLLM's schedule
+    def _forget_gone(self) -> None:
+        """Offsets of requests finished, aborted or preempted (their KV is gone) are dropped."""
+        for req_id in list(self.sieve_offsets):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or request.num_computed_tokens == 0:
+                del self.sieve_offsets[req_id]
+        for req_id in [r for r in self.sieve_preemptions if r not in self.requests]:
+            del self.sieve_preemptions[req_id]
+
+    def _cut(self) -> dict[str, tuple[Compaction, list[list], int]]:
+        """Step 1: cut the block lists of the running requests due for compression."""
+        pending = {}
+        if not self.sieve.compresses:
+            return pending
+        for request in self.running:
+            # prompt (or the recompute after a preemption) done: one sampled token not yet in the KV
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            req_id = request.request_id
+            old_offset = self.sieve_offsets.get(req_id, 0)
+            logical = request.num_computed_tokens
+            kv_len = logical - old_offset
+            # preempted since the last look: it has just recomputed its prompt and outputs in full
+            recomputed = request.num_preemptions > self.sieve_preemptions.get(req_id, 0)
+            if recomputed:
+                self.sieve_preemptions[req_id] = request.num_preemptions
+            keep = keep_count(self.sieve, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed)
+            if keep is None or keep >= kv_len:
+                continue
+            block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
+            # keep the blocks for the kept tokens and this step's one new token: the request reuses
+            # its own cut block instead of asking the pool for one while its cut blocks are held
+            held = self.kv_cache_manager.shrink(req_id, keep + 1)
+            kept_blocks = len(block_ids) - len(held[0])
+            self.sieve_offsets[req_id] = logical - keep
+            pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical), held, old_offset)
+        return pending
+
+    def _settle(self, pending, output: SchedulerOutput) -> list[Compaction]:
+        """Step 3: keep the cuts of the requests scheduled this step, undo the others."""
+        compactions, held_now = [], []
+        for req_id, (compaction, held, old_offset) in pending.items():
+            request = self.requests.get(req_id)
+            if req_id in output.num_scheduled_tokens:
+                compactions.append(compaction)
+                held_now.append(held)
+            elif request is not None and request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.unshrink(req_id, held)  # not scheduled: as it was
+                if old_offset:
+                    self.sieve_offsets[req_id] = old_offset
+                else:
+                    self.sieve_offsets.pop(req_id, None)
+            else:  # preempted by vLLM in this very schedule(): its other blocks are already free
+                self.kv_cache_manager.release(held)
+                self.sieve_offsets.pop(req_id, None)
+        if held_now:
+            self.sieve_held[self.sieve_step] = held_now
+        return compactions
+
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        self.sieve_step += 1
+        self._forget_gone()
+        pending = self._cut()
+        output = super().schedule(*args, **kwargs)
+        compactions = self._settle(pending, output)
+        offsets = {r: self.sieve_offsets[r] for r in output.num_scheduled_tokens if self.sieve_offsets.get(r)}
+        plan = SievePlan(self.sieve_step, compactions, offsets)
+        self.sieve_stats["compactions"] += len(compactions)
+        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(SchedulerOutput)}
+        return SieveSchedulerOutput(**fields, kvsieve_plan=plan)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output):
+        plan = getattr(scheduler_output, "kvsieve_plan", None)
+        if plan is not None:  # the step ran: its compactions are done, the cut blocks free
+            for held in self.sieve_held.pop(plan.step, ()):
+                self.sieve_stats["blocks_freed"] += sum(len(b) for b in held)
+                self.kv_cache_manager.release(held)
+        return super().update_from_output(scheduler_output, model_runner_output)

