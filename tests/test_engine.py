@@ -23,6 +23,7 @@ PROMPTS = ["A farmer has 17 sheep and buys 5 more each week. How many sheep does
            "List three prime numbers."]
 NEW_TOKENS = 32
 BUDGETS = (24, 48)  # below the longer prompt (its compression, then in place) and above it
+SETTINGS = {"lazy": {"window": 8}}  # lazy refuses a budget below 2W (W = 25 by default)
 
 
 def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -232,7 +233,7 @@ def test_a_dense_store_decodes_the_same_tokens_as_sieve_cache(smollm, name, budg
     """The schedule hands both stores the same keep-sets, so they hold the same tokens in the same
     slots and decode the same greedy tokens, in place and by gather alike."""
     model, tok = smollm
-    policy = make_policy(name, budget)
+    policy = make_policy(name, budget, **SETTINGS.get(name, {}))
     ours = greedy(model, tok, policy, SieveCache)
     assert greedy(model, tok, policy, DenseStore) == ours
     assert len(ours[0]) == NEW_TOKENS
