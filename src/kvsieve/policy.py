@@ -85,6 +85,10 @@ class Needs:
     traceable : bool
         False: ``score()`` uses a host object ``torch.compile`` cannot trace (random's
         generator): a session that would evict inside a compiled step decodes eagerly.
+    cross_layer : bool
+        Each kv head keeps the same tokens in every layer, chosen by the mean over layers of each
+        layer's scores (TriAttention's ``per_head``): the schedule scores every layer before it
+        changes any (``Schedule.compress``), which needs one budget for every layer.
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -100,6 +104,7 @@ class Needs:
     uses_budget: bool = True
     fitted_fields: tuple[str, ...] = ()
     traceable: bool = True
+    cross_layer: bool = False
 
     @property
     def fits_budget(self) -> bool:
@@ -125,6 +130,8 @@ class Defaults:
         Compress the prompt right after prefill when it exceeds the budget.
     protect_prompt : bool
         Keep every prompt token outside the budget (each method file cites its value).
+    pin_prompt : bool
+        Keep every prompt token inside the budget (``Policy.pin_prompt``).
     prefill_block : int
         m > 0: block-wise prefill eviction on by default, in blocks of m (CAOTE Sec. 4.1: 128).
     recent_doc, interval_doc : str
@@ -136,6 +143,7 @@ class Defaults:
     interval: int | BudgetRule = 1
     compress_prefill: bool = True
     protect_prompt: bool = False
+    pin_prompt: bool = False
     prefill_block: int = 0
     recent_doc: str = ""
     interval_doc: str = ""
@@ -156,7 +164,8 @@ class Defaults:
         """sinks, recent, interval and protect_prompt as ``kvsieve methods`` lists them."""
         recent = self.recent_doc or (self.recent if not callable(self.recent) else "budget rule")
         interval = self.interval_doc or (self.interval if not callable(self.interval) else "budget rule")
-        return {"sinks": self.sinks, "recent": recent, "interval": interval, "protect_prompt": self.protect_prompt}
+        return {"sinks": self.sinks, "recent": recent, "interval": interval, "protect_prompt": self.protect_prompt,
+                "pin_prompt": self.pin_prompt}
 
 
 @dataclass(frozen=True)
@@ -310,6 +319,14 @@ class Policy:
         a layer keeps ``prompt_len[row] + budget`` tokens per head and row.  False: prompt and
         generated tokens compete for one budget.  ``None``: ``Defaults.protect_prompt`` (its
         paper's reading).  Needs a budgeted method (LagKV's partitions refuse it).
+    pin_prompt : bool | None
+        True: each row's prompt tokens are never evicted but count against the budget, so the
+        generated tokens compete for ``budget - prompt_len[row]`` slots; a prompt of ``budget``
+        tokens or more keeps its first ``budget`` tokens and no generated one (TriAttention's
+        runner: ``count_prompt_tokens=True``, ``allow_prefill_compression=False``,
+        triattention/methods/triattention.py::compute_keep_indices).  Excludes ``protect_prompt``;
+        needs a budgeted method and an allocator that keeps the same count in every head.
+        ``None``: ``Defaults.pin_prompt``.
     prefill_block : bool | int | None
         Read the prompt in blocks and compress after each one (block-wise prefill eviction,
         CAOTE Sec. 2 Eqs. 3-7), whatever ``GenerateConfig.prefill_chunk`` says.  ``True``: blocks
@@ -327,6 +344,7 @@ class Policy:
     compress_prefill: bool | None = None
     prefill_block: bool | int | None = None
     protect_prompt: bool | None = None
+    pin_prompt: bool | None = None
 
     def __post_init__(self):
         check_fields(self)  # every later check may assume the annotated types
@@ -334,7 +352,9 @@ class Policy:
         if self.compress_prefill is None:
             self.compress_prefill = defaults.compress_prefill
         if self.protect_prompt is None:
-            self.protect_prompt = defaults.protect_prompt
+            self.protect_prompt = defaults.protect_prompt and not self.pin_prompt
+        if self.pin_prompt is None:
+            self.pin_prompt = defaults.pin_prompt and not self.protect_prompt
         if self.prefill_block is None:
             self.prefill_block = defaults.prefill_block > 0
         if self.allocator is None:
@@ -362,6 +382,18 @@ class Policy:
             raise ValueError(
                 f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
                 "cannot be set apart from the budget; drop protect_prompt (set it false)")
+        if self.pin_prompt and self.protect_prompt:
+            raise ValueError("protect_prompt keeps the prompt outside the budget and pin_prompt inside it: set one "
+                             "of them false")
+        if self.pin_prompt and not needs.uses_budget:
+            raise ValueError(
+                f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
+                "cannot be counted inside the budget; drop pin_prompt (set it false)")
+        if self.pin_prompt and self.allocator.ragged_heads:
+            raise ValueError(f"pin_prompt keeps the prompt in every head, which the ragged allocator "
+                             f"{self.allocator.name!r} cannot count; use the uniform or pyramid allocator")
+        if needs.cross_layer:
+            self._check_cross_layer()
         if needs.aligned_heads and self.allocator.ragged_heads:
             raise ValueError(
                 f"{self.scorer.name} with these settings averages scores across kv heads slot by slot, "
@@ -373,6 +405,21 @@ class Policy:
                 "budget", f"budget {self.budget} is smaller than the protected tokens: sinks {self.sinks} + recent "
                 f"{self.recent}; raise {{name}} to at least {self.sinks + self.recent} or lower sinks/recent"
             )
+
+    def _check_cross_layer(self) -> None:
+        """A scorer that averages its scores over layers (``Needs.cross_layer``) needs every layer to
+        hold the same tokens: one budget per layer, the same count in every head, no layer kept
+        whole, and the prompt read whole (block-wise prefill compresses one layer at a time)."""
+        why = None
+        if self.allocator.ragged_heads or not self.allocator.same_layer_budgets:
+            why = f"allocator {self.allocator.name!r} gives layers or heads different budgets; use the uniform allocator"
+        elif self.prefill_block is not False:
+            why = "block-wise prefill eviction compresses while layers still differ; set prefill_block false"
+        elif self.scorer.needs.whole_layers:
+            why = "it keeps some layers whole"
+        if why:
+            raise ValueError(f"{self.scorer.name} with these settings keeps the same tokens in every layer "
+                             f"(scores averaged over layers), but {why}")
 
     def prefill_block_size(self) -> int | None:
         """Tokens per block of block-wise prefill eviction, or None without it."""
@@ -394,6 +441,8 @@ class Policy:
         out.update(budget=self.budget, sinks=self.sinks, recent=self.recent, interval=self.interval,
                    compress_prefill=self.compress_prefill, prefill_block=self.prefill_block,
                    protect_prompt=self.protect_prompt, allocator=self.allocator.name)
+        if self.pin_prompt:  # only when set: settings recorded before pin_prompt existed stay equal
+            out["pin_prompt"] = True
         out.update({f.name: getattr(self.scorer, f.name) for f in dataclasses.fields(self.scorer) if f.init})
         out.update({f"allocator_{f.name}": getattr(self.allocator, f.name) for f in dataclasses.fields(self.allocator)})
         return out
