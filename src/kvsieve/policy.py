@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -86,9 +86,8 @@ class Needs:
         False: ``score()`` uses a host object ``torch.compile`` cannot trace (random's
         generator): a session that would evict inside a compiled step decodes eagerly.
     cross_layer : bool
-        Each kv head keeps the same tokens in every layer, chosen by the mean over layers of each
-        layer's scores (TriAttention's ``per_head``): the schedule scores every layer before it
-        changes any (``Schedule.compress``), which needs one budget for every layer.
+        Each kv head keeps the same tokens in every layer, by the mean over layers of each layer's
+        scores (TriAttention's ``per_head``, ``Schedule.compress_across_layers``).
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -166,41 +165,6 @@ class Defaults:
         interval = self.interval_doc or (self.interval if not callable(self.interval) else "budget rule")
         return {"sinks": self.sinks, "recent": recent, "interval": interval, "protect_prompt": self.protect_prompt,
                 "pin_prompt": self.pin_prompt}
-
-
-@dataclass(frozen=True)
-class HostHooks:
-    """Host callbacks a scorer's ``attach`` may yield for the decode loop (a bare callable is
-    ``on_tokens``).
-
-    on_tokens : (token_ids [B, T], query_pos [B, T], rows [B]) -> None
-        Called before every forward with the tokens about to be appended (``query_pos`` DEAD_POS
-        on padding; ``rows``: each cache row's index in the original batch).
-    on_rows_leave : (keep [B']) -> None
-        Called right before finished rows leave the cache; ``keep`` are the rows that stay.
-    """
-
-    on_tokens: Callable | None = None
-    on_rows_leave: Callable | None = None
-
-    @staticmethod
-    def of(yielded: "HostHooks | Callable | None") -> "HostHooks":
-        """What an ``attach`` yielded, as ``HostHooks`` (a bare callable is ``on_tokens``)."""
-        return yielded if isinstance(yielded, HostHooks) else HostHooks(on_tokens=yielded)
-
-
-@runtime_checkable
-class Hook(Protocol):
-    """Something ``generate(..., hooks=[...])`` runs beside the policy for one call (SkipKV's
-    steering, ``kvsieve.steering.Steering``): ``attach`` as a scorer's (may yield ``HostHooks``);
-    ``settings()`` is stored in the call's settings record under ``name``, so results say what ran.
-    """
-
-    name: str
-
-    def attach(self, model, tokenizer) -> ContextManager: ...
-
-    def settings(self) -> dict: ...
 
 
 @dataclass
@@ -320,13 +284,10 @@ class Policy:
         generated tokens compete for one budget.  ``None``: ``Defaults.protect_prompt`` (its
         paper's reading).  Needs a budgeted method (LagKV's partitions refuse it).
     pin_prompt : bool | None
-        True: each row's prompt tokens are never evicted but count against the budget, so the
-        generated tokens compete for ``budget - prompt_len[row]`` slots; a prompt of ``budget``
-        tokens or more keeps its first ``budget`` tokens and no generated one (TriAttention's
-        runner: ``count_prompt_tokens=True``, ``allow_prefill_compression=False``,
-        triattention/methods/triattention.py::compute_keep_indices).  Excludes ``protect_prompt``;
-        needs a budgeted method and an allocator that keeps the same count in every head.
-        ``None``: ``Defaults.pin_prompt``.
+        True: the prompt stays but counts inside the budget; generated tokens compete for
+        ``budget - prompt_len[row]`` slots, and a longer prompt keeps its first ``budget`` tokens
+        (TriAttention's runner, ``count_prompt_tokens=True``: its compute_keep_indices).  Not with
+        ``protect_prompt`` or a ragged allocator.  ``None``: ``Defaults.pin_prompt``.
     prefill_block : bool | int | None
         Read the prompt in blocks and compress after each one (block-wise prefill eviction,
         CAOTE Sec. 2 Eqs. 3-7), whatever ``GenerateConfig.prefill_chunk`` says.  ``True``: blocks
@@ -378,20 +339,15 @@ class Policy:
         if self.prefill_block is not True and self.prefill_block is not False and self.prefill_block < 1:
             raise SettingError("prefill_block", f"{{name}} must be true, false or a block size >= 1, got "
                                                 f"{self.prefill_block}")
-        if self.protect_prompt and not needs.uses_budget:
-            raise ValueError(
-                f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
-                "cannot be set apart from the budget; drop protect_prompt (set it false)")
+        kept = "protect_prompt" if self.protect_prompt else "pin_prompt" if self.pin_prompt else None
+        if kept and not needs.uses_budget:
+            raise ValueError(f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its "
+                             f"prompt cannot be set apart from the budget; drop {kept} (set it false)")
         if self.pin_prompt and self.protect_prompt:
-            raise ValueError("protect_prompt keeps the prompt outside the budget and pin_prompt inside it: set one "
-                             "of them false")
-        if self.pin_prompt and not needs.uses_budget:
-            raise ValueError(
-                f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
-                "cannot be counted inside the budget; drop pin_prompt (set it false)")
+            raise ValueError("protect_prompt keeps the prompt outside the budget, pin_prompt inside: set one false")
         if self.pin_prompt and self.allocator.ragged_heads:
-            raise ValueError(f"pin_prompt keeps the prompt in every head, which the ragged allocator "
-                             f"{self.allocator.name!r} cannot count; use the uniform or pyramid allocator")
+            raise ValueError(f"pin_prompt keeps the prompt in every head, which allocator {self.allocator.name!r} "
+                             "cannot count; use the uniform or pyramid allocator")
         if needs.cross_layer:
             self._check_cross_layer()
         if needs.aligned_heads and self.allocator.ragged_heads:
@@ -407,19 +363,14 @@ class Policy:
             )
 
     def _check_cross_layer(self) -> None:
-        """A scorer that averages its scores over layers (``Needs.cross_layer``) needs every layer to
-        hold the same tokens: one budget per layer, the same count in every head, no layer kept
-        whole, and the prompt read whole (block-wise prefill compresses one layer at a time)."""
-        why = None
-        if self.allocator.ragged_heads or not self.allocator.same_layer_budgets:
-            why = f"allocator {self.allocator.name!r} gives layers or heads different budgets; use the uniform allocator"
-        elif self.prefill_block is not False:
-            why = "block-wise prefill eviction compresses while layers still differ; set prefill_block false"
-        elif self.scorer.needs.whole_layers:
-            why = "it keeps some layers whole"
-        if why:
-            raise ValueError(f"{self.scorer.name} with these settings keeps the same tokens in every layer "
-                             f"(scores averaged over layers), but {why}")
+        """``Needs.cross_layer`` needs every layer to hold the same tokens: one budget everywhere, no
+        layer kept whole, the prompt read whole (block-wise prefill compresses layer by layer)."""
+        why = {f"allocator {self.allocator.name!r} gives layers or heads different budgets; use the uniform allocator":
+               self.allocator.ragged_heads or not self.allocator.same_layer_budgets,
+               "block-wise prefill compresses while layers differ; set prefill_block false": self.prefill_block,
+               "it keeps some layers whole": self.scorer.needs.whole_layers}
+        for reason in [reason for reason, applies in why.items() if applies][:1]:
+            raise ValueError(f"{self.scorer.name} with these settings keeps the same tokens in every layer, but {reason}")
 
     def prefill_block_size(self) -> int | None:
         """Tokens per block of block-wise prefill eviction, or None without it."""
