@@ -3,6 +3,7 @@
 #
 #   scripts/accuracy_grid.sh pin COMMIT     record the commit the grid runs (results/accuracy-grid/PIN)
 #   scripts/accuracy_grid.sh pin-tri COMMIT record the commit stages 4 and 5 (TriAttention, issue 34) run (PIN-triattention)
+#   scripts/accuracy_grid.sh pin-official COMMIT, pin-official-tri COMMIT: the same for stages 6-7 and 8-9
 #   scripts/accuracy_grid.sh run [STAGE..]  resume the stages (default: 1 2), nice'd, in the foreground
 #   scripts/accuracy_grid.sh start [STAGE..] the same under nohup in the background (log: results/accuracy-grid/grid.log)
 #   scripts/accuracy_grid.sh status         whether it runs; per stage, cells and rows done and the cells to come
@@ -40,6 +41,13 @@
 #      (--reference-limit: the report joins these rows to stage 1's, whose full is the reference, and
 #      checks that full decodes the same 10 texts at both pins); rows stop at an invented next turn
 #   7  the same at stage 2's problems, budget and length (joins stage 2's report)
+#   8  Issue 51's official TriAttention at stage 1's problems, budget and length, from their own pin
+#      (PIN-official-tri), with stage 4's statistics: the paper's runner's semantics, the default since
+#      issue 51 (per_head: each kv head keeps the same tokens in every layer; the prompt pinned inside the
+#      budget; no recent window; the z-score over generated tokens), spelled out, labelled
+#      triattention+official; full on 10 samples (joins stage 1's report, as stage 6)
+#   9  the same at stage 2's problems, budget and length (joins stage 2's report): TriAttention on
+#      MATH-500, which stage 5 (kvsieve's earlier reading, never run) was to give
 #
 # Settings that are not a method's default, each the setting of the comparison its paper makes:
 #   tova      prefill_block=true: CAOTE compares with its bases under block-wise prefill (Table 10)
@@ -87,6 +95,11 @@ MATH_SET="--set tova.prefill_block=true --set lazy.window=52 --set lazy+protect.
 # ran R-KV's defaults before issue 51: prompt kept, lambda 0.1, the group mean of probabilities over all keys)
 OFFICIAL_SET="--set rkv+official.protect_prompt=false --set rkv+official.mix_lambda=0.07
               --set rkv+official.head_reduction=max-logits --set rkv+official.window_keys=false"
+# Issue 51's TriAttention defaults, spelled out the same way (stage 4 ran kvsieve's earlier reading: prompt kept
+# outside the budget, a recent window of min(128, B/2), each (layer, kv head) on its own, z over live tokens)
+TRI_OFFICIAL_SET="--set triattention+official.stats=$TRI_STATS --set triattention+official.pruning=per_head
+                  --set triattention+official.pin_prompt=true --set triattention+official.protect_prompt=false
+                  --set triattention+official.recent=0 --set triattention+official.normalize_over=decode"
 
 stage_args() {  # stage -> its eval arguments
   case $1 in
@@ -107,7 +120,13 @@ stage_args() {  # stage -> its eval arguments
     7) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
              --max-new-tokens 768 --methods rkv+official $OFFICIAL_SET --reference-limit 10
              --out $GRID/stage7-math500-b256-official" ;;
-    *) echo "unknown stage $1 (1 to 7)" >&2; return 1 ;;
+    8) echo "--dataset gsm8k --data ../shared/data/gsm8k_test.jsonl --limit 100 --budgets 128 --max-new-tokens 512
+             --methods triattention+official $TRI_OFFICIAL_SET --reference-limit 10
+             --out $GRID/stage8-gsm8k-b128-triattention-official" ;;
+    9) echo "--dataset math500 --data ../shared/data/math500.jsonl --skip 100 --limit 50 --budgets 256
+             --max-new-tokens 768 --methods triattention+official $TRI_OFFICIAL_SET --reference-limit 10
+             --out $GRID/stage9-math500-b256-triattention-official" ;;
+    *) echo "unknown stage $1 (1 to 9)" >&2; return 1 ;;
   esac
 }
 
@@ -115,19 +134,25 @@ tri_pinned() {  # stage -> true for the stages that run TriAttention from its ow
   [[ $1 == [45] ]]
 }
 
-official_pinned() {  # stage -> true for the stages of issue 51's official defaults (6 and 7)
+official_pinned() {  # stage -> true for the stages of issue 51's official R-KV (6 and 7)
   [[ $1 == [67] ]]
+}
+
+official_tri_pinned() {  # stage -> true for the stages of issue 51's official TriAttention (8 and 9)
+  [[ $1 == [89] ]]
 }
 
 pin_of() {  # stage -> the file holding its pinned commit
   if tri_pinned "$1"; then echo "$GRID/PIN-triattention"
   elif official_pinned "$1"; then echo "$GRID/PIN-official"
+  elif official_tri_pinned "$1"; then echo "$GRID/PIN-official-tri"
   else echo "$GRID/PIN"; fi
 }
 
 tree_of() {  # stage -> the worktree it runs from
   if tri_pinned "$1"; then echo "$GRID_TREE-triattention"
   elif official_pinned "$1"; then echo "$GRID_TREE-official"
+  elif official_tri_pinned "$1"; then echo "$GRID_TREE-official-tri"
   else echo "$GRID_TREE"; fi
 }
 
@@ -148,7 +173,7 @@ run_stage() {
   local args
   args=$(stage_args "$1")
   tree "$1"
-  if tri_pinned "$1" && [[ ! -f $TRI_STATS ]]; then  # not tracked: restored from history, else calibrated
+  if (tri_pinned "$1" || official_tri_pinned "$1") && [[ ! -f $TRI_STATS ]]; then  # restored from history, else calibrated
     mkdir -p "$(dirname "$TRI_STATS")"
     if git cat-file -e "$TRI_STATS_BLOB" 2>/dev/null; then
       git cat-file blob "$TRI_STATS_BLOB" > "$TRI_STATS"
@@ -181,6 +206,9 @@ case ${1:-run} in
   pin-official)
     [[ -n ${2:-} ]] || { echo "usage: $0 pin-official COMMIT" >&2; exit 2; }
     mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN-official && cat $GRID/PIN-official ;;
+  pin-official-tri)
+    [[ -n ${2:-} ]] || { echo "usage: $0 pin-official-tri COMMIT" >&2; exit 2; }
+    mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN-official-tri && cat $GRID/PIN-official-tri ;;
   pin-tri)
     [[ -n ${2:-} ]] || { echo "usage: $0 pin-tri COMMIT" >&2; exit 2; }
     mkdir -p $GRID && git rev-parse --verify "$2^{commit}" > $GRID/PIN-triattention && cat $GRID/PIN-triattention ;;
@@ -200,7 +228,7 @@ case ${1:-run} in
         echo "WARNING: eval $pid writes to a deleted results file (stashed or cleaned?): copy /proc/$pid/fd/N back before it ends"
       fi
     done
-    for s in 1 2 3 4 5 6 7; do
+    for s in 1 2 3 4 5 6 7 8 9; do
       # shellcheck disable=SC2046  # stage_args is a word list
       "$PYTHON" - "$s" $(stage_args "$s") <<'PY'
 import collections, pathlib, sys
@@ -221,11 +249,13 @@ PY
     done ;;
   report)
     shift || true
-    report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention $GRID/stage6-gsm8k-b128-official" "$@"
-    report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention $GRID/stage7-math500-b256-official" "$@"
+    report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention $GRID/stage6-gsm8k-b128-official
+      $GRID/stage8-gsm8k-b128-triattention-official" "$@"
+    report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention $GRID/stage7-math500-b256-official
+      $GRID/stage9-math500-b256-triattention-official" "$@"
     report_stage "$GRID/stage3-gsm8k-b64" "" "$@"
     # the README's and docs/results.md's tables and figures, from the new summary.csv and report.md
     "$PYTHON" scripts/grid_docs.py ;;
-  *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | run [STAGE..] | start [STAGE..] | status | report [ARG..]" >&2
+  *) echo "usage: $0 pin COMMIT | pin-tri COMMIT | pin-official COMMIT | pin-official-tri COMMIT | run [STAGE..] | start [STAGE..] | status | report [ARG..]" >&2
      exit 2 ;;
 esac

@@ -43,7 +43,7 @@ class DenseLayer(CacheLayerMixin):
         self.capacity_hint, self.grow_chunk = hint, grow_chunk
         self.capacity = self.max_len = 0
         self.sums, self.step_results = {}, {}  # no running sums: scorers compute them (cache.kv_sum)
-        self.recent_queries = self.recent_query_pos = self.scaling = self.sliding_window = None
+        self.recent_queries = self.recent_query_pos = self.scaling = self.sliding_window = self.prompt_len = None
 
     def fill(self, name: str) -> float:
         return DEAD_POS if name == "pos" else self.meta_init.get(name, 0.0)
@@ -63,7 +63,7 @@ class DenseLayer(CacheLayerMixin):
     def view(self) -> LayerView:
         return LayerView(self.keys, self.values, self.lengths, self.meta, self.sums, self.recent_queries,
                          self.recent_query_pos, self.scaling, self.step_results, self.layer_idx, self.max_len,
-                         self.sliding_window)
+                         self.sliding_window, self.prompt_len)
 
     def compact(self, kept_idx, new_lengths, capacity, max_len) -> None:
         B, H, K = kept_idx.shape
@@ -163,6 +163,8 @@ class DenseStore(Cache):
 
     def set_prompt(self, prompt_len) -> None:
         self.prompt_len, self.prompt_max = prompt_len.clone(), int(prompt_len.max())
+        for layer in self.layers:
+            layer.prompt_len = self.prompt_len
 
     def begin_step(self, query_pos) -> None:
         self.query_pos = query_pos

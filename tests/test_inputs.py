@@ -138,7 +138,7 @@ def test_token_id_prompts_decode_as_their_text_does(llama):
 
 @pytest.mark.parametrize("hooks,expected", [
     (lambda vec: Steering(vec), "hooks= takes a list of hooks: hooks=[Steering(...)]"),
-    (lambda vec: [print], "hooks[0] must have name, attach(model, tokenizer) and settings() (a kvsieve.policy.Hook, "
+    (lambda vec: [print], "hooks[0] must have name, attach(model, tokenizer) and settings() (a kvsieve.hooks.Hook, "
                           "e.g. kvsieve.steering.Steering), got <built-in function print> (builtin_function_or_method)"),
     (lambda vec: [Steering(vec), Steering(vec, alpha0=2.0)],
      "hooks ['steering'] given more than once: pass one hook of each name"),

@@ -71,7 +71,7 @@ def test_policy_py_stays_a_short_contract():
 def test_no_core_module_imports_upwards():
     """Core (cache, engine, attention, policy, schedule, session) imports nothing from the methods,
     the evaluation, the CLI or ``generate``."""
-    core = ("cache", "engine", "attention", "policy", "schedule", "session", "allocators")
+    core = ("cache", "engine", "attention", "policy", "schedule", "session", "allocators", "hooks")
     for name in core:
         upward = {m for m in imported_modules(SRC / f"{name}.py")
                   if m.split(".")[0] in ("methods", "eval", "cli", "generate", "hf")}

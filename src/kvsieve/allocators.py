@@ -37,6 +37,7 @@ class Uniform:
 
     name: ClassVar[str] = "uniform"
     ragged_heads: ClassVar[bool] = False  # may kv heads of a layer keep different numbers of tokens?
+    same_layer_budgets: ClassVar[bool] = True  # does every layer get the same budget?
     summary: ClassVar[str] = "same budget for every layer and kv head"
     source: ClassVar[str] = "kvsieve default"
 
@@ -62,6 +63,7 @@ class Pyramid(Uniform):
     """
 
     name: ClassVar[str] = "pyramid"
+    same_layer_budgets: ClassVar[bool] = False
     summary: ClassVar[str] = "per-layer budgets falling linearly with depth"
     source: ClassVar[str] = "Cai et al. 2024 (arXiv:2406.02069); beta=20 from the official code"
     beta: float = 20.0
@@ -95,6 +97,7 @@ class AdaKV:
 
     name: ClassVar[str] = "adakv"
     ragged_heads: ClassVar[bool] = True
+    same_layer_budgets: ClassVar[bool] = True
     summary: ClassVar[str] = "heads of a layer share slots by score (ragged per-head lengths)"
     source: ClassVar[str] = "Feng et al. 2024 (arXiv:2407.11550); floor alpha=0.2 from the paper"
     floor: float = 0.2

@@ -133,6 +133,7 @@ class LayerView:
     layer_idx: int
     max_len: int
     sliding_window: int | None = None  # the layer's attention window (a sliding-window layer)
+    prompt_len: torch.Tensor | None = None  # [B] each row's prompt when the policy keeps it (SieveCache.set_prompt)
 
     def live(self) -> torch.Tensor:
         """[B, H_kv, capacity] bool: slots holding a real token."""
@@ -159,7 +160,8 @@ class LayerView:
         return dataclasses.replace(
             self, keys=self.keys.reshape(B * H, 1, cap, D), values=self.values.reshape(B * H, 1, cap, -1),
             lengths=self.lengths.reshape(B * H, 1), meta={name: t.reshape(B * H, 1, cap) for name, t in self.meta.items()},
-            sums={}, recent_queries=queries, recent_query_pos=qpos)
+            sums={}, recent_queries=queries, recent_query_pos=qpos,
+            prompt_len=None if self.prompt_len is None else self.prompt_len.repeat_interleave(H))
 
     def last_queries(self, window: int) -> "LayerView":
         """Only the newest ``window`` recent queries."""
@@ -210,6 +212,9 @@ class SieveLayer(CacheLayerMixin):
         self._query_end = 0  # host int: entries of the buffer in use
         self.scaling: float | None = None  # the attention module's softmax scale, set on first use
         self.sliding_window: int | None = None  # its attention window (a sliding-window layer), set with scaling
+        # [B] each row's prompt length, set by SieveCache.set_prompt when the policy keeps the prompt
+        # (protected or pinned): a scorer may tell prompt from generated tokens by it (TriAttention's z-score)
+        self.prompt_len: torch.Tensor | None = None
         # What this step's attention pass computed for the scorer while V was still in the CPU's
         # cache, for the compression after the step (CAOTE's "value_mix"); valid until the store
         # changes: cleared by update, compact, evict and select_rows
@@ -492,7 +497,7 @@ class SieveLayer(CacheLayerMixin):
         """This layer as scorers and analyses read it (shares its tensors and dicts)."""
         return LayerView(self.keys, self.values, self.lengths, self.meta, self.sums, self.recent_queries,
                          self.recent_query_pos, self.scaling, self.step_results, self.layer_idx, self.max_len,
-                         self.sliding_window)
+                         self.sliding_window, self.prompt_len)
 
     def allocated_bytes(self) -> int:
         """Bytes this layer holds right now: K, V, every per-token metadata tensor and running sum."""
@@ -549,7 +554,7 @@ class SieveCache(Cache):
                                  for index, hint in enumerate(hints)])
         self.seen_tokens: torch.Tensor | None = None  # [B]
         # [B] prompt tokens of each row, set at the end of prefill (``set_prompt``) for a policy that
-        # protects the prompt (``Policy.protect_prompt``); ``prompt_max`` is a host-side upper bound
+        # keeps the prompt (``Policy.protect_prompt`` or ``pin_prompt``); ``prompt_max`` is a host-side upper bound
         # on it (the longest prompt when set; rows leaving the batch never lower it)
         self.prompt_len: torch.Tensor | None = None
         self.prompt_max = 0
@@ -608,12 +613,18 @@ class SieveCache(Cache):
             layer.select_rows(rows)
         self.seen_tokens = self.seen_tokens[rows]
         if self.prompt_len is not None:
-            self.prompt_len = self.prompt_len[rows]
+            self._share_prompt(self.prompt_len[rows])
 
     def set_prompt(self, prompt_len: torch.Tensor) -> None:
-        """Record each row's prompt length [B] (one host read, for ``prompt_max``)."""
-        self.prompt_len = prompt_len.clone()
+        """Record each row's prompt length [B] (one host read, for ``prompt_max``); every layer
+        reads it too (``SieveLayer.prompt_len``)."""
+        self._share_prompt(prompt_len.clone())
         self.prompt_max = int(prompt_len.max()) if prompt_len.numel() else 0
+
+    def _share_prompt(self, prompt_len: torch.Tensor) -> None:
+        self.prompt_len = prompt_len
+        for layer in self.layers:
+            layer.prompt_len = prompt_len
 
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)

@@ -48,6 +48,7 @@ class LayerReader(Protocol):
     step_results: dict[str, Any]  # what this step's attention pass computed for the scorer
     layer_idx: int
     max_len: int  # host-side bound on lengths.max()
+    prompt_len: torch.Tensor | None  # [B] each row's prompt when the policy keeps it (protected or pinned), else None
 
     def live(self) -> torch.Tensor: ...  # [B, H_kv, capacity] bool
 
@@ -76,9 +77,9 @@ class Store(Protocol):
 
     layers: Sequence[StoreLayer]
     seen_tokens: torch.Tensor | None  # [B] real tokens each row has seen: the next token's position
-    prompt_len: torch.Tensor | None  # [B] each row's prompt, once recorded (a protected prompt)
+    prompt_len: torch.Tensor | None  # [B] each row's prompt, once recorded (a kept prompt: protected or pinned)
     prompt_max: int  # host-side bound on prompt_len
 
     def set_seen(self, seen_tokens: torch.Tensor) -> None: ...
 
-    def set_prompt(self, prompt_len: torch.Tensor) -> None: ...
+    def set_prompt(self, prompt_len: torch.Tensor) -> None: ...  # every layer's prompt_len reads it too

@@ -1,7 +1,7 @@
 """``generate``: encode and pad the prompts, then prefill, decode, sample and stop, top to bottom.
 
 Prompts are texts, chat message lists or token ids (``list[int]``, used as given).  Hooks
-(``policy.Hook``, e.g. SkipKV's steering) run beside the policy for one call.
+(``hooks.Hook``, e.g. SkipKV's steering) run beside the policy for one call.
 
 Token layout of a batch after left padding (P = longest prompt)::
 
@@ -30,7 +30,8 @@ from .attention import check_supported
 from .cache import DEAD_POS
 from .checks import InputError, SettingError, check_at_least, check_fields, shown
 from .memory import check_fits
-from .policy import Hook, Policy
+from .hooks import Hook
+from .policy import Policy
 from .schedule import fitted
 from .random_models import RANDOM_NOTE, is_random
 from .session import DecodeSession, _sync
@@ -162,14 +163,14 @@ def _is_ids(prompt) -> bool:
 
 def hook_list(hooks) -> list[Hook]:
     """``hooks`` as a list, each with ``name``, ``attach(model, tokenizer)`` and ``settings()``
-    (``policy.Hook``), their names distinct (each names its entry of the settings record)."""
+    (``hooks.Hook``), their names distinct (each names its entry of the settings record)."""
     if isinstance(hooks, Hook):
         raise ValueError(f"hooks= takes a list of hooks: hooks=[{type(hooks).__name__}(...)]")
     hooks = list(hooks)
     for index, hook in enumerate(hooks):
         if not isinstance(hook, Hook):
             raise ValueError(f"hooks[{index}] must have name, attach(model, tokenizer) and settings() (a "
-                             f"kvsieve.policy.Hook, e.g. kvsieve.steering.Steering), got {shown(hook)}")
+                             f"kvsieve.hooks.Hook, e.g. kvsieve.steering.Steering), got {shown(hook)}")
     names = [hook.name for hook in hooks]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -348,7 +349,7 @@ def generate(
     streaming; each read is a host sync).  ``on_finish(row, text, stats, settings)`` is called
     once per row as soon as the row ends (EOS, a stop string or the token limit), with its
     final text and statistics, so a caller can store it before the rest of the batch is done.
-    ``hooks`` (``policy.Hook``) run beside the policy for this call, each attached like the
+    ``hooks`` (``hooks.Hook``) run beside the policy for this call, each attached like the
     scorer and recorded as ``settings[hook.name]``: ``hooks=[Steering(vector)]`` adds SkipKV's
     adaptive steering (``settings["steering"]``); none leaves the model untouched.
     """

@@ -141,6 +141,12 @@ class ScheduledCache(SieveCache):
         end, or the compression after one of its steps), done now, before the layer is read again."""
         if self.pending is None:
             return
+        if self.schedule.cross_layer:  # every layer at once, at layer 0, before any is read in this pass
+            if layer_idx == 0 and self.pending == "prefill":
+                self.schedule.finish_prompt(self.layers[0].grow_chunk)
+            elif layer_idx == 0:
+                self.schedule.compress()
+            return
         if self.pending == "prefill":
             if self.schedule.compresses_blocks:  # block-wise: the one block, before padding goes
                 self.schedule.compress_layer(layer_idx)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -85,6 +85,9 @@ class Needs:
     traceable : bool
         False: ``score()`` uses a host object ``torch.compile`` cannot trace (random's
         generator): a session that would evict inside a compiled step decodes eagerly.
+    cross_layer : bool
+        Each kv head keeps the same tokens in every layer, by the mean over layers of each layer's
+        scores (TriAttention's ``per_head``, ``Schedule.compress_across_layers``).
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -100,6 +103,7 @@ class Needs:
     uses_budget: bool = True
     fitted_fields: tuple[str, ...] = ()
     traceable: bool = True
+    cross_layer: bool = False
 
     @property
     def fits_budget(self) -> bool:
@@ -125,6 +129,8 @@ class Defaults:
         Compress the prompt right after prefill when it exceeds the budget.
     protect_prompt : bool
         Keep every prompt token outside the budget (each method file cites its value).
+    pin_prompt : bool
+        Keep every prompt token inside the budget (``Policy.pin_prompt``).
     prefill_block : int
         m > 0: block-wise prefill eviction on by default, in blocks of m (CAOTE Sec. 4.1: 128).
     recent_doc, interval_doc : str
@@ -136,6 +142,7 @@ class Defaults:
     interval: int | BudgetRule = 1
     compress_prefill: bool = True
     protect_prompt: bool = False
+    pin_prompt: bool = False
     prefill_block: int = 0
     recent_doc: str = ""
     interval_doc: str = ""
@@ -156,42 +163,8 @@ class Defaults:
         """sinks, recent, interval and protect_prompt as ``kvsieve methods`` lists them."""
         recent = self.recent_doc or (self.recent if not callable(self.recent) else "budget rule")
         interval = self.interval_doc or (self.interval if not callable(self.interval) else "budget rule")
-        return {"sinks": self.sinks, "recent": recent, "interval": interval, "protect_prompt": self.protect_prompt}
-
-
-@dataclass(frozen=True)
-class HostHooks:
-    """Host callbacks a scorer's ``attach`` may yield for the decode loop (a bare callable is
-    ``on_tokens``).
-
-    on_tokens : (token_ids [B, T], query_pos [B, T], rows [B]) -> None
-        Called before every forward with the tokens about to be appended (``query_pos`` DEAD_POS
-        on padding; ``rows``: each cache row's index in the original batch).
-    on_rows_leave : (keep [B']) -> None
-        Called right before finished rows leave the cache; ``keep`` are the rows that stay.
-    """
-
-    on_tokens: Callable | None = None
-    on_rows_leave: Callable | None = None
-
-    @staticmethod
-    def of(yielded: "HostHooks | Callable | None") -> "HostHooks":
-        """What an ``attach`` yielded, as ``HostHooks`` (a bare callable is ``on_tokens``)."""
-        return yielded if isinstance(yielded, HostHooks) else HostHooks(on_tokens=yielded)
-
-
-@runtime_checkable
-class Hook(Protocol):
-    """Something ``generate(..., hooks=[...])`` runs beside the policy for one call (SkipKV's
-    steering, ``kvsieve.steering.Steering``): ``attach`` as a scorer's (may yield ``HostHooks``);
-    ``settings()`` is stored in the call's settings record under ``name``, so results say what ran.
-    """
-
-    name: str
-
-    def attach(self, model, tokenizer) -> ContextManager: ...
-
-    def settings(self) -> dict: ...
+        return {"sinks": self.sinks, "recent": recent, "interval": interval, "protect_prompt": self.protect_prompt,
+                "pin_prompt": self.pin_prompt}
 
 
 @dataclass
@@ -310,6 +283,11 @@ class Policy:
         a layer keeps ``prompt_len[row] + budget`` tokens per head and row.  False: prompt and
         generated tokens compete for one budget.  ``None``: ``Defaults.protect_prompt`` (its
         paper's reading).  Needs a budgeted method (LagKV's partitions refuse it).
+    pin_prompt : bool | None
+        True: the prompt stays but counts inside the budget; generated tokens compete for
+        ``budget - prompt_len[row]`` slots, and a longer prompt keeps its first ``budget`` tokens
+        (TriAttention's runner, ``count_prompt_tokens=True``: its compute_keep_indices).  Not with
+        ``protect_prompt`` or a ragged allocator.  ``None``: ``Defaults.pin_prompt``.
     prefill_block : bool | int | None
         Read the prompt in blocks and compress after each one (block-wise prefill eviction,
         CAOTE Sec. 2 Eqs. 3-7), whatever ``GenerateConfig.prefill_chunk`` says.  ``True``: blocks
@@ -327,6 +305,7 @@ class Policy:
     compress_prefill: bool | None = None
     prefill_block: bool | int | None = None
     protect_prompt: bool | None = None
+    pin_prompt: bool | None = None
 
     def __post_init__(self):
         check_fields(self)  # every later check may assume the annotated types
@@ -334,7 +313,9 @@ class Policy:
         if self.compress_prefill is None:
             self.compress_prefill = defaults.compress_prefill
         if self.protect_prompt is None:
-            self.protect_prompt = defaults.protect_prompt
+            self.protect_prompt = defaults.protect_prompt and not self.pin_prompt
+        if self.pin_prompt is None:
+            self.pin_prompt = defaults.pin_prompt and not self.protect_prompt
         if self.prefill_block is None:
             self.prefill_block = defaults.prefill_block > 0
         if self.allocator is None:
@@ -358,10 +339,17 @@ class Policy:
         if self.prefill_block is not True and self.prefill_block is not False and self.prefill_block < 1:
             raise SettingError("prefill_block", f"{{name}} must be true, false or a block size >= 1, got "
                                                 f"{self.prefill_block}")
-        if self.protect_prompt and not needs.uses_budget:
-            raise ValueError(
-                f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its prompt "
-                "cannot be set apart from the budget; drop protect_prompt (set it false)")
+        kept = "protect_prompt" if self.protect_prompt else "pin_prompt" if self.pin_prompt else None
+        if kept and not needs.uses_budget:
+            raise ValueError(f"{self.scorer.name} keeps tokens by its own rule (partitions), not by a budget, so its "
+                             f"prompt cannot be set apart from the budget; drop {kept} (set it false)")
+        if self.pin_prompt and self.protect_prompt:
+            raise ValueError("protect_prompt keeps the prompt outside the budget, pin_prompt inside: set one false")
+        if self.pin_prompt and self.allocator.ragged_heads:
+            raise ValueError(f"pin_prompt keeps the prompt in every head, which allocator {self.allocator.name!r} "
+                             "cannot count; use the uniform or pyramid allocator")
+        if needs.cross_layer:
+            self._check_cross_layer()
         if needs.aligned_heads and self.allocator.ragged_heads:
             raise ValueError(
                 f"{self.scorer.name} with these settings averages scores across kv heads slot by slot, "
@@ -373,6 +361,16 @@ class Policy:
                 "budget", f"budget {self.budget} is smaller than the protected tokens: sinks {self.sinks} + recent "
                 f"{self.recent}; raise {{name}} to at least {self.sinks + self.recent} or lower sinks/recent"
             )
+
+    def _check_cross_layer(self) -> None:
+        """``Needs.cross_layer`` needs every layer to hold the same tokens: one budget everywhere, no
+        layer kept whole, the prompt read whole (block-wise prefill compresses layer by layer)."""
+        why = {f"allocator {self.allocator.name!r} gives layers or heads different budgets; use the uniform allocator":
+               self.allocator.ragged_heads or not self.allocator.same_layer_budgets,
+               "block-wise prefill compresses while layers differ; set prefill_block false": self.prefill_block,
+               "it keeps some layers whole": self.scorer.needs.whole_layers}
+        for reason in [reason for reason, applies in why.items() if applies][:1]:
+            raise ValueError(f"{self.scorer.name} with these settings keeps the same tokens in every layer, but {reason}")
 
     def prefill_block_size(self) -> int | None:
         """Tokens per block of block-wise prefill eviction, or None without it."""
@@ -394,6 +392,8 @@ class Policy:
         out.update(budget=self.budget, sinks=self.sinks, recent=self.recent, interval=self.interval,
                    compress_prefill=self.compress_prefill, prefill_block=self.prefill_block,
                    protect_prompt=self.protect_prompt, allocator=self.allocator.name)
+        if self.pin_prompt:  # only when set: settings recorded before pin_prompt existed stay equal
+            out["pin_prompt"] = True
         out.update({f.name: getattr(self.scorer, f.name) for f in dataclasses.fields(self.scorer) if f.init})
         out.update({f"allocator_{f.name}": getattr(self.allocator, f.name) for f in dataclasses.fields(self.allocator)})
         return out

@@ -15,10 +15,15 @@ What a method needs from the store (fields, sums, query window) and each layer's
 are computed here from the policy and passed to the store as plain values (``store_settings``):
 the store is never handed the policy.
 
-Cross-layer selection (TriAttention's ``per_head``: kv head h keeps the same tokens in every
-layer, chosen by the mean over layers of each layer's scores) fits in ``compress``: it would
-score every due layer first (``protected_scores``), replace each by their mean, then apply
-each (``keep_layer``): ``compress_layer`` is already split into those two steps.
+Cross-layer selection (``Needs.cross_layer``, TriAttention's ``per_head``: kv head h keeps the
+same tokens in every layer, chosen by the mean over layers of each layer's scores) is
+``Schedule.compress``'s other path: it scores every layer first, averages, then applies the
+same keep-set to each (``compress_across_layers``).
+
+The prompt is handled in one of three ways (``Policy``): it competes with the generated tokens;
+it is protected outside the budget (``protect_prompt``: ``prompt_len`` below, each row keeps
+``prompt_len + budget``); or it is pinned inside it (``pin_prompt``: ``pinned`` below, each row's
+first ``min(prompt_len, budget)`` positions score +inf and the row keeps ``budget`` in all).
 """
 
 from __future__ import annotations
@@ -76,10 +81,15 @@ def row_budget(budget: int, prompt_len: torch.Tensor | None):
 def protected_scores(layer: StoreLayer, policy: Policy, seen_tokens: torch.Tensor,
                      prompt_len: torch.Tensor | None = None) -> torch.Tensor:
     """[B, H_kv, capacity] float scores of one layer with the schedule applied: sinks, the
-    recent window and (``prompt_len`` [B] given, ``protect_prompt``) every prompt token at +inf,
-    dead slots at -inf (a copy: never the scorer's own state)."""
-    pos = layer.meta["pos"]
-    scores = policy.scorer.score(layer, seen_tokens).float()  # [B, H, cap]
+    recent window and every position below ``prompt_len`` [B] (a protected prompt, or the pinned
+    part of a pinned one) at +inf, dead slots at -inf (a copy: never the scorer's own state)."""
+    return protect(policy.scorer.score(layer, seen_tokens).float(), layer.meta["pos"], policy, seen_tokens, prompt_len)
+
+
+def protect(scores: torch.Tensor, pos: torch.Tensor, policy: Policy, seen_tokens: torch.Tensor,
+            prompt_len: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores`` [B, H_kv, capacity] of slots at positions ``pos`` with the schedule applied, as
+    ``protected_scores`` says (a copy)."""
     keep = protected_mask(pos, seen_tokens, policy.sinks, policy.recent) if policy.sinks or policy.recent else None
     if prompt_len is not None:
         keep = prompt_mask(pos, prompt_len) if keep is None else keep | prompt_mask(pos, prompt_len)
@@ -92,15 +102,16 @@ def protected_scores(layer: StoreLayer, policy: Policy, seen_tokens: torch.Tenso
 
 def evict_in_place(layer: StoreLayer, policy: Policy, budget: int, seen_tokens: torch.Tensor, excess: int,
                    scores: torch.Tensor | None = None, prompt_len: torch.Tensor | None = None,
-                   max_len: int | None = None) -> None:
+                   max_len: int | None = None, pinned: torch.Tensor | None = None) -> None:
     """Drop the ``excess`` lowest-scored tokens of every head over ``budget`` (in place, see
     ``engine``): device work only, so a compiled decode step can contain it; ``max_len`` is the
     layer's new host-side bound (None inside a compiled step: ``Schedule.after_step`` sets it).
     ``scores``: ``protected_scores`` when already computed (a scorer is asked once per
     compression: ``random`` draws new scores on every call).  ``prompt_len`` [B]
-    (``protect_prompt``): each row keeps its prompt and ``budget`` more."""
+    (``protect_prompt``): each row keeps its prompt and ``budget`` more; ``pinned`` [B]
+    (``pin_prompt``, when ``scores`` is None): each row keeps its first ``pinned`` positions."""
     if scores is None:
-        scores = protected_scores(layer, policy, seen_tokens, prompt_len)
+        scores = protected_scores(layer, policy, seen_tokens, prompt_len if pinned is None else pinned)
     lowest = scores.masked_fill_(layer.meta["pos"] == DEAD_POS, float("inf")).topk(excess, dim=-1, largest=False).indices
     layer.evict(lowest, (layer.lengths - row_budget(budget, prompt_len)).clamp(min=0, max=excess), max_len)
 
@@ -121,17 +132,20 @@ def drop_dead_layer(layer: StoreLayer, headroom: int, past_hint: bool = False) -
 
 
 def compress_layer(layer: StoreLayer, policy: Policy, budget: int | None, seen_tokens: torch.Tensor,
-                   prompt_len: torch.Tensor | None = None, prompt_max: int = 0) -> None:
+                   prompt_len: torch.Tensor | None = None, prompt_max: int = 0,
+                   pinned: torch.Tensor | None = None) -> None:
     """Evict down to ``budget`` tokens per (row, kv head) in one layer (no-op if it fits): score
     it (``protected_scores``), then ``keep_layer``.
 
     With ``prompt_len`` [B] (``Policy.protect_prompt``) row r keeps its whole prompt and at most
     ``budget`` other tokens, ``prompt_len[r] + budget`` in all; ``prompt_max`` is a host-side
-    upper bound on ``prompt_len`` (``SieveCache.prompt_max``), so no step reads the device for it."""
+    upper bound on ``prompt_len`` (``SieveCache.prompt_max``), so no step reads the device for it.
+    With ``pinned`` [B] (``Policy.pin_prompt``) row r keeps its first ``pinned[r]`` positions
+    inside its ``budget``."""
     bound = budget if budget is None or prompt_len is None else budget + prompt_max
     if not policy.scorer.should_compress(layer, bound):
         return
-    scores = protected_scores(layer, policy, seen_tokens, prompt_len)
+    scores = protected_scores(layer, policy, seen_tokens, prompt_len if pinned is None else pinned)
     keep_layer(layer, policy, budget, seen_tokens, scores, prompt_len, bound)
 
 
@@ -298,7 +312,7 @@ class Schedule:
         self.observer = observer(policy)  # the attention-row callback for the attention function
         # Every-step policies that may drop tokens in place do so inside the step.
         self.evicts_in_step = (scorer is not None and scorer.needs.slot_order_free and policy.interval == 1
-                               and not policy.allocator.ragged_heads)
+                               and not policy.allocator.ragged_heads and not scorer.needs.cross_layer)
         self.steps = 0  # decode steps done
 
     # ------------------------------------------------------------------ when
@@ -342,9 +356,23 @@ class Schedule:
         does not protect its prompt, or the store does not know it yet (before ``record_prompt``)."""
         return self.store.prompt_len if self.policy.protect_prompt else None
 
+    def pinned_prompt(self, budget: int | None, store: Store | None = None) -> torch.Tensor | None:
+        """[B] the first positions of each row kept inside a layer's ``budget`` (``pin_prompt``: its
+        prompt, or the first ``budget`` tokens of a longer one), or None; ``store``: the schedule's
+        own, or the one a compiled step is handed."""
+        prompt_len = (store or self.store).prompt_len
+        if not self.policy.pin_prompt or budget is None or prompt_len is None:
+            return None
+        return prompt_len.clamp(max=budget)
+
+    @property
+    def keeps_prompt(self) -> bool:
+        """Whether the store records each row's prompt length (a protected or pinned prompt)."""
+        return self.compresses and (self.policy.protect_prompt or self.policy.pin_prompt)
+
     def layer_due(self, index: int) -> bool:
         """Host-side: does layer ``index`` hold more than its bound now (no device read)?"""
-        if not self.compresses or (self.policy.protect_prompt and self.store.prompt_len is None):
+        if not self.compresses or (self.keeps_prompt and self.store.prompt_len is None):
             return False
         return self.policy.scorer.should_compress(self.store.layers[index], self.bound(self.budgets[index]))
 
@@ -354,16 +382,47 @@ class Schedule:
 
     # ------------------------------------------------------------------ what
     def compress_layer(self, index: int) -> bool:
-        """Compress layer ``index`` down to its budget if it is over its bound; True if it was."""
+        """Compress layer ``index`` down to its budget if it is over its bound; True if it was.
+        A cross-layer scorer compresses every layer at once (``compress``)."""
+        if self.cross_layer:
+            raise RuntimeError(f"{self.policy.name} chooses the same tokens in every layer: compress them together "
+                               "(Schedule.compress)")
         if not self.layer_due(index):
             return False
-        compress_layer(self.store.layers[index], self.policy, self.budgets[index], self.store.seen_tokens,
-                       self.protected_prompt(), self.store.prompt_max)
+        budget = self.budgets[index]
+        compress_layer(self.store.layers[index], self.policy, budget, self.store.seen_tokens,
+                       self.protected_prompt(), self.store.prompt_max, self.pinned_prompt(budget))
         return True
+
+    @property
+    def cross_layer(self) -> bool:
+        """Each kv head keeps the same tokens in every layer (``Needs.cross_layer``)."""
+        return self.compresses and self.policy.scorer.needs.cross_layer
 
     def compress(self) -> bool:
         """Compress every layer over its bound; True if any was."""
+        if self.cross_layer:
+            return self.compress_across_layers()
         return any([self.compress_layer(index) for index in range(len(self.store.layers))])
+
+    def compress_across_layers(self) -> bool:
+        """Every layer keeps the same tokens per (row, kv head), chosen by the mean over layers of
+        the scorer's scores (``Needs.cross_layer``: TriAttention's ``per_head``, the official
+        ``_select_per_head_independent``).  Every layer holds the same positions in the same slots
+        (they were all compressed alike since the prompt), has the same budget and is due at the
+        same step (``Policy`` checks both), so one protected score [B, H_kv, capacity] serves all."""
+        layers = self.store.layers
+        if not any(self.layer_due(index) for index in range(len(layers))):
+            return False
+        seen, budget = self.store.seen_tokens, self.budgets[0]
+        mean = torch.stack([self.policy.scorer.score(layer, seen).float() for layer in layers]).mean(dim=0)
+        pos = layers[0].meta["pos"]
+        scores = protect(mean, pos, self.policy, seen, self.protected_prompt() if self.policy.protect_prompt
+                         else self.pinned_prompt(budget))
+        bound = self.bound(budget)
+        for layer in layers:
+            keep_layer(layer, self.policy, budget, seen, scores.clone(), self.protected_prompt(), bound)
+        return True
 
     # ------------------------------------------------------------------ the prompt (DecodeSession, ScheduledCache)
     def after_block(self, positions: torch.Tensor) -> None:
@@ -380,9 +439,11 @@ class Schedule:
         ``protect_prompt`` each bounded layer's capacity makes room for its longest row's prompt
         (prompt + budget + interval)."""
         self.store.set_seen(prompt_len)
-        if not (self.compresses and self.policy.protect_prompt):
+        if not self.keeps_prompt:
             return
         self.store.set_prompt(prompt_len)
+        if not self.policy.protect_prompt:  # a pinned prompt counts inside the budget: the bound stays
+            return
         for layer, budget in zip(self.store.layers, self.budgets):
             if budget is not None:
                 layer.set_capacity_hint(min(self.horizon, self.bound(budget) + self.policy.interval))
@@ -401,6 +462,13 @@ class Schedule:
         self.drop_padding(index, grow_chunk)
         return self.compresses_prompt and self.compress_layer(index)
 
+    def finish_prompt(self, grow_chunk: int) -> bool:
+        """Every layer after the prompt: padding dropped, then the prompt compressed if the policy
+        does; True if any layer compressed."""
+        for index in range(len(self.store.layers)):
+            self.drop_padding(index, grow_chunk)
+        return self.compresses_prompt and self.compress()
+
     def end_prompt(self, prompt_len: torch.Tensor, grow_chunk: int, static: bool = False) -> bool:
         """Every layer after the prompt (``DecodeSession``): the prompt recorded, padding dropped,
         the prompt compressed if the policy does, and with ``static`` room for every append until
@@ -408,9 +476,7 @@ class Schedule:
         self.record_prompt(prompt_len)
         if self.compresses_prompt:
             self.on_compress()
-        for index in range(len(self.store.layers)):
-            self.drop_padding(index, grow_chunk)
-        compressed = self.compresses_prompt and self.compress()
+        compressed = self.finish_prompt(grow_chunk)
         if static:
             headroom = self.policy.interval if self.compresses else 0
             for layer in self.store.layers:
@@ -441,7 +507,8 @@ class Schedule:
         torch.maximum(peak, live, out=peak)
         prompt_len = store.prompt_len if self.policy.protect_prompt else None
         for index, budget in evict:
-            evict_in_place(store.layers[index], self.policy, budget, store.seen_tokens, excess=1, prompt_len=prompt_len)
+            evict_in_place(store.layers[index], self.policy, budget, store.seen_tokens, excess=1, prompt_len=prompt_len,
+                           pinned=self.pinned_prompt(budget, store))
 
     def after_step(self, plan: StepPlan, compress: bool = True) -> bool:
         """After a decode step's pass: the layers that evicted inside it get their new bound, and

@@ -42,7 +42,8 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION, StepState, cache_kwarg_name, check_supported
 from .cache import DEAD_POS, SieveCache
-from .policy import HostHooks, Policy
+from .hooks import HostHooks
+from .policy import Policy
 from .schedule import Schedule, store_settings
 
 # Full caches in a compiled session are allocated to a multiple of this many slots, so prompts

@@ -98,8 +98,8 @@ def test_end_to_end_prompts_survive_and_eviction_is_lru(smollm, monkeypatch):
 
     real_evict, real_compress_layer = schedule_module.evict_in_place, schedule_module.compress_layer
     monkeypatch.setattr(schedule_module, "evict_in_place", lambda layer, pol, b, seen, excess, scores=None, prompt_len=None,
-                        max_len=None: check_layer(
-        layer, pol, seen, lambda: real_evict(layer, pol, b, seen, excess, scores, prompt_len, max_len)))
+                        max_len=None, pinned=None: check_layer(
+        layer, pol, seen, lambda: real_evict(layer, pol, b, seen, excess, scores, prompt_len, max_len, pinned)))
     monkeypatch.setattr(schedule_module, "compress_layer", lambda layer, pol, b, seen, *prompt: check_layer(
         layer, pol, seen, lambda: real_compress_layer(layer, pol, b, seen, *prompt)))
     result = generate(model, tok, [SHORT, MEDIUM], policy, GenerateConfig(max_new_tokens=24))

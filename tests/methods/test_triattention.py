@@ -60,19 +60,19 @@ def cache_of(pre_keys: torch.Tensor, positions: torch.Tensor, stats: QueryStats)
     return cache
 
 
-def brute_force(pre_keys, positions, seen, stats: QueryStats, offset_max: int) -> torch.Tensor:
+def brute_force(pre_keys, positions, seen, stats: QueryStats, offset_max: int, layer: int = 0) -> torch.Tensor:
     """[B, HKV, G, T] Eqs. 10-11 one key and one query head at a time: the centre query rotated to t + o,
     dotted with the key rotated to its position, averaged over o in {1, 2, 4, ..., offset_max},
-    plus s^2 sum_f (E|q_f| - |q_bar_f|) |k_f| from the pre-RoPE key's pairs."""
+    plus s^2 sum_f (E|q_f| - |q_bar_f|) |k_f| from the pre-RoPE key's pairs (statistics of ``layer``)."""
     offsets = [2 ** i for i in range(int(math.log2(offset_max)) + 1)]
     s = stats.attention_scaling
     out = torch.zeros(B, HKV, G, positions.shape[1], dtype=torch.float64)
     for b in range(B):
         for h in range(HKV):
             for g in range(G):
-                centre = stats.q_mean[0, h * G + g]  # [F, 2]
+                centre = stats.q_mean[layer, h * G + g]  # [F, 2]
                 q_bar = torch.cat([centre[:, 0], centre[:, 1]])  # [D] real layout
-                spread = stats.q_abs_mean[0, h * G + g].double() - centre.double().norm(dim=-1)
+                spread = stats.q_abs_mean[layer, h * G + g].double() - centre.double().norm(dim=-1)
                 for t in range(positions.shape[1]):
                     k = pre_keys[b, h, t]
                     k_post = rope(k, float(positions[b, t]), stats.inv_freq, s)
@@ -136,7 +136,8 @@ def test_compress_layer_keeps_the_top_scores_per_head_and_every_protected_token(
     positions = torch.arange(T).expand(B, T)
     seen = torch.tensor([T, T])
     cache = cache_of(pre, positions, stats)
-    policy = make_policy("triattention", 6, stats=saved(stats, tmp_path), recent=2, protect_prompt=False)
+    policy = make_policy("triattention", 6, stats=saved(stats, tmp_path), recent=2, pin_prompt=False,
+                         pruning="per_layer_per_head")
     scores = policy.scorer.score(cache.layers[0], seen)[..., :T].clone()
     compress_layer(cache.layers[0], policy, 6, seen)
     layer = cache.layers[0]
@@ -147,20 +148,102 @@ def test_compress_layer_keeps_the_top_scores_per_head_and_every_protected_token(
             assert kept == {T - 2, T - 1, *ranked[:4]}
 
 
-def test_settings_are_checked_and_the_official_cross_layer_mode_is_named(tmp_path):
+def test_settings_are_checked_and_the_official_defaults_hold(tmp_path):
     path = saved(random_stats(), tmp_path)
     with pytest.raises(ValueError, match="stats=FILE"):
         make_policy("triattention", 64)
-    with pytest.raises(ValueError, match="per_layer_per_head"):
-        make_policy("triattention", 64, stats=path, pruning="per_head")
     with pytest.raises(ValueError, match="does not exist"):
         make_policy("triattention", 64, stats=str(tmp_path / "missing.pt"))
     (tmp_path / "junk.pt").write_text("not a tensor file")
     with pytest.raises(ValueError, match="not a TriAttention statistics file"):
         make_policy("triattention", 64, stats=str(tmp_path / "junk.pt"))
+    with pytest.raises(ValueError, match="normalize_over must be one of"):
+        make_policy("triattention", 64, stats=path, normalize_over="prompt")
+    # per_head keeps the same tokens in every layer: one budget per layer, the prompt read whole
+    with pytest.raises(ValueError, match="allocator 'pyramid' gives layers or heads different budgets"):
+        make_policy("triattention", 64, stats=path, allocator="pyramid")
+    with pytest.raises(ValueError, match="set prefill_block false"):
+        make_policy("triattention", 64, stats=path, prefill_block=True)
+    with pytest.raises(ValueError, match="set one false"):
+        make_policy("triattention", 64, stats=path, pin_prompt=True, protect_prompt=True)
+    # the official runner's semantics (scripts/worker.py): prompt inside the budget, no window, every 128
     policy = make_policy("triattention", 512, stats=path)
-    assert (policy.recent, policy.interval, policy.protect_prompt, policy.compress_prefill) == (128, 128, True, False)
-    assert make_policy("triattention", 64, stats=path).recent == 32  # min(128, budget // 2)
+    assert (policy.recent, policy.sinks, policy.interval, policy.pin_prompt, policy.protect_prompt,
+            policy.compress_prefill) == (0, 0, 128, True, False, False)
+    assert policy.scorer.pruning == "per_head" and policy.scorer.needs.cross_layer
+    assert policy.settings()["pin_prompt"] is True
+    # kvsieve's earlier reading, as options: protecting the prompt unpins it
+    earlier = make_policy("triattention", 128, stats=path, protect_prompt=True, recent=64, pruning="per_layer_per_head")
+    assert (earlier.pin_prompt, earlier.protect_prompt, earlier.recent, earlier.scorer.needs.cross_layer) == (
+        False, True, 64, False)
+    assert "pin_prompt" not in earlier.settings()  # settings recorded before pin_prompt existed still compare equal
+
+
+def official_keep(refs: list[torch.Tensor], prompt_len: list[int], budget: int, per_head: bool,
+                  decode_only: bool = True) -> list[list[list[set]]]:
+    """Kept positions [layer][row][kv head] by the official runner's rule, from brute-force scores
+    ``refs`` [L] x [B, HKV, G, T] of keys at positions 0..T-1: the prompt kept inside the budget (its
+    first ``budget`` positions if longer), each (layer, query head) z-scored over the generated tokens
+    (population std), the max over each query group, with ``per_head`` the mean of those over layers,
+    then the top ``budget - prompt`` generated tokens per kv head (compute_keep_indices)."""
+    L, T = len(refs), refs[0].shape[-1]
+    out = [[[set() for _ in range(HKV)] for _ in range(B)] for _ in range(L)]
+    for b in range(B):
+        P = prompt_len[b]
+        if P >= budget:
+            for l in range(L):
+                for h in range(HKV):
+                    out[l][b][h] = set(range(budget))
+            continue
+        per_layer = []
+        for ref in refs:
+            x = ref[b]  # [HKV, G, T]
+            span = x[..., P:] if decode_only else x
+            z = (x - span.mean(dim=-1, keepdim=True)) / span.std(dim=-1, unbiased=False, keepdim=True)
+            per_layer.append(z.amax(dim=1))  # [HKV, T]
+        chosen = [torch.stack(per_layer).mean(dim=0)] * L if per_head else per_layer
+        for l in range(L):
+            for h in range(HKV):
+                decode = chosen[l][h, P:]
+                top = decode.topk(budget - P).indices + P
+                out[l][b][h] = set(range(P)) | set(top.tolist())
+    return out
+
+
+@pytest.mark.parametrize("pruning,normalize_over", [("per_head", "decode"), ("per_layer_per_head", "decode"),
+                                                    ("per_head", "live")])
+def test_the_schedule_keeps_what_the_official_runner_keeps(tmp_path, pruning, normalize_over):
+    """Three layers, two rows whose prompts are shorter and longer than the budget: the kept positions of
+    every (layer, row, kv head) equal the official rule's (``official_keep``) from brute-force scores."""
+    from kvsieve.schedule import Schedule
+
+    L, T, budget, prompt_len = 3, 14, 8, [5, 9]
+    stats = random_stats(seed=7, layers=L)
+    g = torch.Generator().manual_seed(8)
+    pre = [torch.randn(B, HKV, T, D, generator=g) for _ in range(L)]
+    positions = torch.arange(T).expand(B, T)
+    seen = torch.tensor([T, T])
+    cache = Cache(L)
+    cache.begin_step(positions)
+    for l in range(L):
+        post = torch.stack([torch.stack([torch.stack([rope(pre[l][b, h, t], float(t), stats.inv_freq, 1.0)
+                                                      for t in range(T)]) for h in range(HKV)]) for b in range(B)])
+        cache.update(post.float(), torch.randn_like(post).float(), l)
+    policy = make_policy("triattention", budget, stats=saved(stats, tmp_path), pruning=pruning,
+                         normalize_over=normalize_over)
+    schedule = Schedule(policy, cache, horizon=64)
+    schedule.record_prompt(torch.tensor(prompt_len))
+    cache.set_seen(seen)
+    assert schedule.compress()
+    refs = [brute_force(pre[l], positions, seen, stats, 65536, layer=l) for l in range(L)]
+    expected = official_keep(refs, prompt_len, budget, per_head=pruning == "per_head",
+                             decode_only=normalize_over == "decode")
+    for l, layer in enumerate(cache.layers):
+        assert layer.lengths.eq(budget).all()
+        kept = [[set(layer.meta["pos"][b, h, :budget].tolist()) for h in range(HKV)] for b in range(B)]
+        assert kept == expected[l], f"layer {l}"
+    if pruning == "per_head":  # the same tokens in every layer
+        assert expected[0] == expected[1] == expected[2]
 
 
 # ---------------------------------------------------------------------------- on SmolLM2
@@ -216,10 +299,11 @@ def test_budget_at_least_the_length_reproduces_full(smollm, full_greedy, smol_st
     assert all(s.compression_events == 0 for s in ours.stats)
 
 
-@pytest.mark.parametrize("pruning", ["per_layer_per_head", pytest.param("per_layer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pruning", ["per_head", pytest.param("per_layer_per_head", marks=pytest.mark.slow),
+                                     pytest.param("per_layer", marks=pytest.mark.slow)])
 def test_a_left_padded_batch_gives_each_row_its_own_output(smollm, smol_stats, pruning):
     """Compressing (budget 16, prompt competing), a row's tokens do not depend on its batch mate or padding."""
-    policy = make_policy("triattention", 16, stats=smol_stats, pruning=pruning, protect_prompt=False)
+    policy = make_policy("triattention", 16, stats=smol_stats, pruning=pruning, pin_prompt=False)
     both = run(smollm, [SHORT, LONG], policy, n=30)
     alone = run(smollm, [SHORT], policy, n=30)
     assert both.token_ids[0] == alone.token_ids[0]

@@ -27,7 +27,8 @@ import torch
 from ..generate import GenerateConfig, generate
 from ..methods._timestamps import MODEL_FAMILY, model_alpha, resolve_alpha
 from ..methods.lazy import LazyEviction
-from ..policy import HostHooks, Needs, Policy, Scorer
+from ..hooks import HostHooks
+from ..policy import Needs, Policy, Scorer
 from .commands import PROMPT_FIELDS
 from .commands import register_mri as register  # noqa: F401  (kvsieve analyze mri)
 

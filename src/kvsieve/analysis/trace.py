@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from ..checks import InputError
-from ..policy import HostHooks, Policy, Scorer
+from ..hooks import HostHooks
+from ..policy import Policy, Scorer
 
 TRACE_HINT = "give a trace.npz written by kvsieve analyze trace"
 

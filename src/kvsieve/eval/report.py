@@ -31,7 +31,9 @@ Definitions (every number is computed from the rows alone):
   Between compressions a cache grows by up to its interval, which peak live/head shows: compare
   cells by accuracy against peak KV memory first, and read the nominal budget through this one;
 * prompt: "kept" when the rows protect the prompt (``protect_prompt``: the budget bounds the
-  generated tokens only), "competes" when prompt and output share the budget, "-" without one;
+  generated tokens only), "pinned" when the prompt stays inside the budget (``pin_prompt``: the
+  output gets what the prompt leaves), "competes" when prompt and output share the budget, "-"
+  without one;
 * KV compression: per sample, the KV tokens a full cache would hold at the end
   (``(prompt + generated) * kv_heads``) over the live KV tokens the method holds at the end
   (mean over layers, ``final_kv_tokens_mean``; rows written before that field existed use the
@@ -158,7 +160,7 @@ class CellSummary:
     random_lost: int | None = None  # paired with random at the same budget: random right, this cell wrong
     random_gained: int | None = None
     random_p: float | None = None
-    prompt: str | None = None  # "kept" (protect_prompt), "competes", "mixed"; None without a budget
+    prompt: str | None = None  # "kept" (protect_prompt), "pinned" (pin_prompt), "competes", "mixed"; None: no budget
     at_cap: int | None = None  # rows that stopped at max_new_tokens (finish_reason "length"); None if unrecorded
     effective_budget: float | None = None  # live tokens per kv head kept after a compression, prompt included
     paired_p_holm: float | None = None  # paired_p adjusted by Holm over the vs-full column
@@ -260,9 +262,11 @@ def paired(pairs: list[tuple[bool, bool]]):
 
 
 def prompt_fate(group: list[dict[str, Any]]) -> str | None:
-    """The prompt column: "kept", "competes" or "mixed" over a budgeted cell's rows, else None."""
-    fates = {"kept" if (r.get("settings") or {}).get("protect_prompt") else "competes"
-             for r in group if r.get("budget") is not None}
+    """The prompt column: "kept", "pinned", "competes" or "mixed" over a budgeted cell's rows, else None."""
+    def fate(settings: dict) -> str:
+        return "kept" if settings.get("protect_prompt") else "pinned" if settings.get("pin_prompt") else "competes"
+
+    fates = {fate(r.get("settings") or {}) for r in group if r.get("budget") is not None}
     return None if not fates else fates.pop() if len(fates) == 1 else "mixed"
 
 

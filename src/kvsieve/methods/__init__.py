@@ -42,7 +42,7 @@ def _register_all() -> None:
 
 _register_all()
 
-SCHEDULE_FIELDS = ("sinks", "recent", "interval", "compress_prefill", "prefill_block", "protect_prompt")
+SCHEDULE_FIELDS = ("sinks", "recent", "interval", "compress_prefill", "prefill_block", "protect_prompt", "pin_prompt")
 
 
 def method_names() -> list[str]:
@@ -140,6 +140,8 @@ def budget_semantics(uses_budget: bool, schedule: dict) -> str:
         prompt = "the base's prompt handling"
     elif schedule["protect_prompt"]:
         prompt = "prompt kept outside the budget; the budget holds generated tokens"
+    elif schedule.get("pin_prompt"):
+        prompt = "prompt kept inside the budget; generated tokens get what the prompt leaves"
     elif schedule.get("compress_prefill", True):
         prompt = "prompt competes, compressed at prefill; the budget holds every token"
     else:

@@ -54,6 +54,10 @@ class WrappingScorer(Scorer):
             raise ValueError(f"{prefix} needs a base method: use '{prefix}:<base>', e.g. {prefix}:{example}")
         if not inner.needs.uses_budget:
             raise ValueError(f"{prefix} needs a budgeted base; {inner.name!r} sets its own cache size")
+        if inner.needs.cross_layer:  # a wrapper rescores one layer's tokens by that layer's own quantities
+            raise ValueError(f"{prefix} rescores each layer on its own; {inner.name!r} with these settings keeps the "
+                             "same tokens in every layer: choose a per-layer setting of it (triattention: "
+                             "pruning=per_layer_per_head)")
         if self.base:
             raise ValueError(f"{prefix}: {BASE_SETTINGS!r} reports the base method's settings and cannot be set; "
                              f"pass the base's settings by name (e.g. {prefix}:snapkv with window=32)")

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from ..attention import visible, window_attention
 from ..cache import DEAD_POS
-from ..policy import About, Defaults, HostHooks, Needs, Scorer, check_choice, register
+from ..hooks import HostHooks
+from ..policy import About, Defaults, Needs, Scorer, check_choice, register
 from ._common import pool_along_sequence
 from ._keysim import PARTNER_THRESHOLD, check_threshold, rkv_redundancy, softmax_similarity_mean, unit_keys
 from ._sentences import DELIMITERS, vocab_ids

@@ -43,20 +43,41 @@ The statistics (q_bar, E|q|, the RoPE frequencies w and scaling s, the model's f
 come from ``kvsieve calibrate triattention`` (``kvsieve.analysis.qk``); ``stats=FILE`` names
 them.  A file made for another model is refused, naming both (as a steering vector is).
 
+What the budget holds, by default the official runner's (triattention/scripts/worker.py, the
+paper's runs: ``count_prompt_tokens=True``, ``allow_prefill_compression=False``): the prompt is
+kept and counts inside the budget (``Policy.pin_prompt``), so generated tokens compete for
+``budget - prompt`` slots (a prompt of ``budget`` tokens or more keeps its first ``budget``), and
+no recent window or sink is protected (compute_keep_indices has none).  kvsieve's earlier reading,
+the prompt kept outside the budget and a recent window of min(128, budget // 2), stays as
+``protect_prompt=true recent=...`` (stage 4 of the accuracy grid ran it).
+
+The z-score (Eqs. 12-13) runs over the generated tokens only when the prompt is kept (protected
+or pinned: ``normalize_over="decode"``, the official ``compute_keep_indices``: "Apply
+normalization only on decode tokens"), over every live token when the prompt competes;
+``normalize_over="live"`` always normalises over every live token, protected ones included
+(kvsieve's earlier reading; the vLLM runtime does this, selector_hf.py::_finalize_layer_scores).
+
 Pruning modes (``pruning``):
-* ``per_layer_per_head`` (kvsieve's default): each (layer, kv head) keeps its own tokens, by
-  the max over its query group (official ``per_layer_perhead_pruning`` with
-  ``layer_perhead_aggregation="max"``, triattention/methods/triattention.py::_select_per_layer_perhead_independent).
+* ``per_head`` (the default: official ``per_head_pruning=True`` in scripts/worker.py, the
+  paper's runs; vLLM runtime/config.py ``pruning_mode="per_head"``): kv head h keeps the same
+  tokens in every layer, chosen by the mean over layers of each layer's group max
+  (triattention/methods/triattention.py::_select_per_head_independent).  kvsieve's schedule
+  scores every layer, averages, and applies one keep-set to all (``Needs.cross_layer``,
+  ``Schedule.compress_across_layers``).
+* ``per_layer_per_head``: each (layer, kv head) keeps its own tokens, by the max over its query
+  group (official ``per_layer_perhead_pruning`` with ``layer_perhead_aggregation="max"``,
+  ``_select_per_layer_perhead_independent``).
 * ``per_layer``: every kv head of a layer keeps the same tokens, by the max over all the
   layer's query heads: kvsieve's own mode.  It is not the official vLLM runtime's ``per_layer``
   mode, which first averages each group's query statistics into one set per kv head and scores
   with those (selector_hf.py::_build_reduced_layer_stats, the mean over the group of ``q_abs_mean``
   and ``q_mean_complex``).
-# deviation: the official default, ``per_head`` (triattention/methods/triattention.py::_select_per_head_independent,
-# scripts/cli.py sets per_head_pruning=True; vLLM runtime/config.py pruning_mode="per_head" with
-# "hf_aligned_global_per_head"), gives kv head h the same tokens in *every layer*, by the mean over
-# layers of each layer's group max.  kvsieve compresses one layer at a time and a scorer sees only
-# the layer it scores, so that cross-layer mode is not offered: ``pruning="per_head"`` is refused.
+# deviation: the official runner adds uniform noise of 1e-6 (seed 0) to every score to break ties;
+# kvsieve leaves ties to topk (its scores are fp32 means, ties are rare).
+# deviation: the official runner prunes once the cache reaches budget + 128 (its slack trigger), so its
+# first compression falls at decode step budget + 128 - prompt; kvsieve compresses every `interval` (128)
+# decode steps while a layer holds more than the budget: the same period and peak (budget + 128), its first
+# compression at decode step 128 instead.
 """
 
 from __future__ import annotations
@@ -76,9 +97,9 @@ from ..model_files import load_saved, other_model
 # Offsets of the future queries: 1, 2, 4, ..., 65536 (official code pruning_utils.py::build_geometric_offsets
 # up to offset_max_length=65536: scripts/worker.py --triattention_frequency_window, vLLM core/config.py)
 OFFSET_MAX = 65536
-RECENT = 128  # vLLM runtime/config.py window_size=128 (README: TRIATTN_RUNTIME_WINDOW_SIZE)
-INTERVAL = 128  # divide_length=128: vLLM runtime/config.py, scripts/cli.py
-PRUNING_MODES = ("per_layer_per_head", "per_layer")
+INTERVAL = 128  # divide_length=128: scripts/worker.py, scripts/cli.py, vLLM runtime/config.py
+PRUNING_MODES = ("per_head", "per_layer_per_head", "per_layer")
+NORMALIZE_OVER = ("decode", "live")
 STATS_HINT = "make one with: kvsieve calibrate triattention --model MODEL --data FILE --out stats.pt"
 
 
@@ -207,13 +228,15 @@ class TriAttention(Scorer):
     ----------
     stats : str
         The statistics file of ``kvsieve calibrate triattention`` (required).
-    pruning : str, default "per_layer_per_head"
-        "per_layer_per_head" or "per_layer" (module docstring; the official cross-layer
-        "per_head" is refused: a ``# deviation:`` of the module docstring).
+    pruning : str, default "per_head"
+        "per_head", "per_layer_per_head" or "per_layer" (module docstring).
     normalize : bool, default True
         z-normalise each query head's scores before the group max (official
-        ``triattention_normalize_scores=True``: scripts/cli.py and scripts/worker.py; vLLM
-        runtime/config.py ``sparse_normalize_scores=True``).
+        ``triattention_normalize_scores=True``: scripts/worker.py; vLLM runtime/config.py
+        ``sparse_normalize_scores=True``).
+    normalize_over : str, default "decode"
+        "decode": over the generated tokens when the prompt is kept, every live token otherwise
+        (official compute_keep_indices); "live": over every live token (module docstring).
     offset_max : int, default 65536
         Largest future offset; offsets are 1, 2, 4, ... up to it (official
         pruning_utils.py::build_geometric_offsets, ``offset_max_length=65536``).  The series is
@@ -223,42 +246,32 @@ class TriAttention(Scorer):
 
     about = About("trigonometric series of the pre-RoPE query centres at each key's distance, plus a Q/K norm "
                   "term; calibrated statistics (stats=FILE)",
-                  "Mao et al. 2026 (arXiv:2604.04921); offsets, normalisation, window 128, every 128: official code")
+                  "Mao et al. 2026 (arXiv:2604.04921); offsets, normalisation, per_head, prompt inside the budget, "
+                  "every 128: official code (scripts/worker.py)")
     # per-token scores (their z-normalisation reads the live set, never slot order): evicted in place
     needs = Needs(slot_order_free=True)
-    # recent 128 and interval 128: vLLM runtime/config.py (window_size, divide_length; scripts/cli.py sets the same
-    # divide_length for the paper's runs); prompt kept: the paper's HF runner (scripts/worker.py
-    # allow_prefill_compression=False); compressed only while decoding (methods/triattention.py::triattention_forward
-    # compresses on decode steps only).
-    # deviation: the recent window is min(128, budget // 2), so small budgets still compress (issue 28's cap, as the
-    # interval's); the vLLM runtime clamps it to budget - 1 (selector_hf.py), the paper's HF runner keeps no window.
-    # deviation: the prompt is kept outside the budget (kvsieve's protect_prompt); the HF runner keeps it inside
-    # (count_prompt_tokens=True: budget - prompt decode tokens stay) and the vLLM runtime does not protect it by
-    # default (runtime/config.py protect_prefill=False, README's TRIATTN_RUNTIME_PROTECT_PREFILL).
-    # deviation: compression falls every `interval` decode steps while a layer holds more than its bound, the cache
-    # peaking at bound + interval; the HF runner prunes once the cache reaches budget + 128 (slack trigger), the
-    # vLLM runtime every 128 tokens: the same peak and period at the default 128.
-    defaults = Defaults(recent=lambda budget: RECENT if budget is None else min(RECENT, budget // 2),
-                        interval=INTERVAL, protect_prompt=True, compress_prefill=False,
-                        recent_doc="min(128, budget // 2)")
+    # the official runner's semantics (module docstring): prompt pinned inside the budget (scripts/worker.py
+    # count_prompt_tokens=True, allow_prefill_compression=False), no recent window or sinks (compute_keep_indices
+    # protects none), every 128 decode steps (divide_length=128), compressed only while decoding
+    # (methods/triattention.py::triattention_forward compresses on decode steps only)
+    defaults = Defaults(interval=INTERVAL, pin_prompt=True, compress_prefill=False)
     stats: str = ""
-    pruning: str = "per_layer_per_head"
+    pruning: str = "per_head"
     normalize: bool = True
+    normalize_over: str = "decode"
     offset_max: int = OFFSET_MAX
     _stats: QueryStats | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.pruning == "per_head":
-            raise ValueError("triattention pruning='per_head' (the official default) gives each kv head the same "
-                             "tokens in every layer, by scores of all layers; kvsieve compresses one layer at a time, "
-                             "so use 'per_layer_per_head' (each layer's kv heads on their own) or 'per_layer'")
         check_choice(self.pruning, PRUNING_MODES, "triattention pruning")
+        check_choice(self.normalize_over, NORMALIZE_OVER, "triattention normalize_over")
         if self.offset_max < 1:
             raise ValueError(f"triattention offset_max must be >= 1, got {self.offset_max}")
         if not self.stats:
             raise ValueError(f"triattention needs its calibrated statistics: stats=FILE ({STATS_HINT})")
         self._stats = QueryStats.read(self.stats)
-        self.needs = replace(self.needs, aligned_heads=self.pruning == "per_layer")
+        self.needs = replace(self.needs, aligned_heads=self.pruning == "per_layer",
+                             cross_layer=self.pruning == "per_head")
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):
@@ -277,13 +290,20 @@ class TriAttention(Scorer):
         dev = keys.device
         per_query = series_scores(keys, st.q_mean[layer.layer_idx].to(dev), st.q_abs_mean[layer.layer_idx].to(dev),
                                   st.inv_freq.to(dev), st.attention_scaling, seen_tokens, self.offset_max)
-        live = layer.meta["pos"] != DEAD_POS  # [B, H, cap]
         if self.normalize:
-            # deviation: over every live token, the protected ones included (as the vLLM runtime, which normalises
-            # before its guards: selector_hf.py::_finalize_layer_scores); the HF runner normalises the decode tokens
-            # only, and adds 1e-6 uniform noise (seed 0) to break ties, which kvsieve leaves to topk
-            per_query = z_normalise(per_query, live)
-        per_kv = per_query.amax(dim=2)  # [B, H, cap]: max over the query group (layer_perhead_aggregation="max")
+            per_query = z_normalise(per_query, self.normalized_slots(layer))
+        # the max over the query group (layer_perhead_aggregation="max"); per_head's mean over layers is the schedule's
+        per_kv = per_query.amax(dim=2)  # [B, H, cap]
         if self.pruning == "per_layer":
             return per_kv.amax(dim=1, keepdim=True).expand_as(per_kv)
         return per_kv
+
+    def normalized_slots(self, layer) -> torch.Tensor:
+        """[B, H_kv, cap] bool: the slots each query head's z-score runs over: live slots, and of
+        those only the generated tokens when the prompt is kept (``normalize_over="decode"``, the
+        layer knowing each row's prompt, ``LayerReader.prompt_len``)."""
+        pos = layer.meta["pos"]
+        live = pos != DEAD_POS
+        if self.normalize_over == "live" or layer.prompt_len is None:
+            return live
+        return live & (pos >= layer.prompt_len[:, None, None])
