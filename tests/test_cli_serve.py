@@ -37,6 +37,8 @@ def error_of(*args) -> str:
      "kvsieve serve sets --enable-prefix-caching itself; drop it"),
     (["--method", "streaming", "--budget", "64", "--additional-config={}"],
      "kvsieve serve sets --additional-config itself; drop it"),
+    (["--method", "streaming", "--budget", "64", "--model", "other"],
+     "kvsieve serve sets --model itself; drop it (the model is the first argument"),
 ])
 def test_bad_settings_are_one_line_usage_errors(args, expected):
     assert expected in error_of("smollm2-135m", *args)
@@ -59,7 +61,7 @@ def test_the_vllm_command_line_carries_the_engine_arguments_then_the_passed_opti
     engine = {"scheduler_cls": "a.Sched", "worker_cls": "a.Worker", "enable_prefix_caching": False,
               "additional_config": {"kvsieve": {"method": "streaming", "budget": 64}}}
     argv = vllm_argv("/models/m", engine, ["--port", "8011", "--block-size", "32"])
-    assert argv == ["-m", "vllm.entrypoints.cli.main", "serve", "/models/m",
+    assert argv == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", "/models/m",
                     "--scheduler-cls", "a.Sched", "--worker-cls", "a.Worker", "--no-enable-prefix-caching",
                     "--additional-config", '{"kvsieve": {"method": "streaming", "budget": 64}}',
                     "--port", "8011", "--block-size", "32"]

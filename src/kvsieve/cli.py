@@ -434,7 +434,7 @@ def serve(
     set_: List[str] = typer.Option([], "--set", help="Another kvsieve.vllm setting key=value (repeatable)."),
 ):
     """vLLM's OpenAI-compatible server with a kvsieve method active (in the vLLM environment: make
-    vllm-env). Every option not listed here goes to `vllm serve` unchanged, e.g.
+    vllm-env). Every option not listed here goes to vLLM's server unchanged (`vllm serve`'s options), e.g.
     `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`."""
     from .models import ModelNotInstalledError
     from .vllm import UnsupportedVLLM, check_vllm, engine_kwargs

