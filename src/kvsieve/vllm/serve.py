@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -75,8 +76,8 @@ def vllm_argv(model: str, engine: dict[str, Any], vllm_args: list[str]) -> list[
 
 def exec_vllm(argv: list[str]) -> None:
     """Replace this process with ``sys.executable argv`` (signals and the exit status are then
-    vLLM's own), after printing the command line on stderr."""
+    vLLM's own), after printing the command line on stderr, quoted to be pasted into a shell."""
     command = [sys.executable, *argv]
-    print("kvsieve serve: " + " ".join(command), file=sys.stderr, flush=True)
+    print("kvsieve serve: " + shlex.join(command), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(sys.executable, command)
