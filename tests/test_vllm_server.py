@@ -1,0 +1,221 @@
+"""``kvsieve serve`` end to end (issue 49): vLLM's OpenAI server with ``streaming`` at budget 64 on
+the bundled SmolLM2-135M (fp32, eager), driven over HTTP as a client would, and read back from
+vLLM's own ``/metrics``.
+
+Needs the vLLM environment (``make vllm-env``; ``make test-vllm`` runs this); skipped where vLLM
+is not installed, so ``make test`` in the project's .venv does not run it.  The server runs in a
+process group of its own, which the fixture's finalizer ends.
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+requests = pytest.importorskip("requests")
+
+BLOCK, POOL = 32, 40  # tokens per block; blocks in the pool (one of them is vLLM's null block)
+# fp32 SmolLM2-135M: 30 layers x 3 kv heads x 64 dims x 2 (k, v) x 4 bytes per token.  An explicit
+# KV size also spares vLLM's CPU start-up check of --gpu-memory-utilization against free memory.
+BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK
+BUDGET, INTERVAL = 64, 16
+# A request at BUDGET grows to BUDGET + INTERVAL tokens between two compactions, and may hold one
+# more block while a compaction's cut blocks wait for their step to end (docs/vllm-design.md).
+BLOCKS_PER_REQUEST = math.ceil((BUDGET + INTERVAL) / BLOCK) + 1
+START_TIMEOUT = 600  # s: the engine starts in about 30 s on a quiet machine, minutes on a busy one
+MODEL_NAME = "smol"
+PROMPT = "The history of the printing press begins"
+
+
+def _model_dir() -> str:
+    from kvsieve.models import checkpoint_dir
+
+    path = checkpoint_dir("smollm2-135m")
+    if path is None:
+        pytest.skip("smollm2-135m is not converted: kvsieve models install smollm2-135m (make test-vllm does)")
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the server's whole process group (API server, engine core, worker): SIGTERM, then
+    SIGKILL what is left after 60 s; fail if any process of the group survives."""
+    group = proc.pid
+    for sig, grace in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+    pytest.fail(f"processes of group {group} outlived SIGKILL")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The base URL of a running ``kvsieve serve``; its log is in the test's tmp directory."""
+    _model_dir()
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    argv = [sys.executable, "-m", "kvsieve.cli", "serve", "smollm2-135m",
+            "--method", "streaming", "--budget", str(BUDGET), "--interval", str(INTERVAL),
+            # the rest is vLLM's own: a small fixed pool, fp32, eager
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+            "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
+            "--kv-cache-memory-bytes", str(POOL * BLOCK_BYTES), "--num-gpu-blocks-override", str(POOL),
+            "--max-model-len", "1024", "--max-num-seqs", "8",
+            "--seed", "0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvsieve serve exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"no /health within {START_TIMEOUT} s:\n{_tail(log)}")
+            time.sleep(2)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """vLLM's gauges from ``/metrics`` (this server has one engine and one model: labels dropped),
+    and ``finished:REASON``, its count of requests finished for each reason (stop, length, abort)."""
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    values = {}
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        match = re.match(r"^([\w:]+)(?:\{([^}]*)\})? (\S+)$", line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        if name in names:
+            values[name] = float(value)
+        elif name == "vllm:request_success_total":
+            reason = re.search(r'finished_reason="(\w+)"', labels).group(1)
+            values[f"finished:{reason}"] = float(value)
+    assert set(names) <= set(values), f"missing from /metrics: {set(names) - set(values)}"
+    return values
+
+
+GAUGES_IDLE = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0, "vllm:kv_cache_usage_perc": 0.0}
+
+
+def stream(url: str, max_tokens: int, stop_after: int | None = None, on_tokens=None) -> dict:
+    """One streaming completion, greedy and past EOS: ``{"tokens", "finish_reason"}``, the tokens
+    counted by vLLM's per-chunk usage (a chunk may carry several tokens when the reader lags).
+    ``on_tokens(n)`` is called after each chunk; with ``stop_after``, the connection is closed once
+    that many tokens came (a client that goes away mid-stream)."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    tokens, finish = 0, None
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as resp:
+        assert resp.status_code == 200, resp.text
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            tokens = chunk["usage"]["completion_tokens"]
+            finish = next((c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]), finish)
+            if on_tokens is not None:
+                on_tokens(tokens)
+            if stop_after is not None and tokens >= stop_after:
+                break  # leaving the block closes the connection mid-stream
+    return {"tokens": tokens, "finish_reason": finish}
+
+
+def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
+    """``metrics(url)`` once no request runs or waits and no block is held, or the last read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(url)
+        if all(values[name] == 0 for name in GAUGES_IDLE) or time.monotonic() > deadline:
+            return values
+        time.sleep(1)
+
+
+def test_concurrent_streams_and_an_abort_give_every_block_back(server):
+    """Four streams of 160 tokens and a fifth whose client leaves after 100 tokens, all compacted
+    at budget 64 as they run: once they are done, nothing runs, waits or holds a block."""
+    results: dict[str, dict] = {}
+    before = metrics(server)
+
+    def run(name, **kwargs):
+        results[name] = stream(server, **kwargs)
+
+    threads = [threading.Thread(target=run, args=(f"full-{i}",), kwargs={"max_tokens": 160}) for i in range(4)]
+    threads.append(threading.Thread(target=run, args=("aborted",), kwargs={"max_tokens": 900, "stop_after": 100}))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=900)
+    assert not any(thread.is_alive() for thread in threads)
+    for i in range(4):
+        assert results[f"full-{i}"] == {"tokens": 160, "finish_reason": "length"}
+    # past the budget, so it was compacted (and held cut blocks) before it went away
+    assert 100 <= results["aborted"]["tokens"] < 900 and results["aborted"]["finish_reason"] is None
+    after = wait_idle(server)
+    assert {name: after[name] for name in GAUGES_IDLE} == GAUGES_IDLE
+    # The fifth request was aborted when its client went: it is neither running nor finished by
+    # length (900 tokens) or stop.  (vLLM 0.32 counts no "abort" for a client that disconnects.)
+    finished = {reason: after.get(f"finished:{reason}", 0) - before.get(f"finished:{reason}", 0)
+                for reason in ("length", "stop")}
+    assert finished == {"length": 4, "stop": 0}
+
+
+def test_a_long_stream_holds_a_bounded_number_of_blocks(server):
+    """600 tokens would fill 19 blocks of 32 without eviction; at budget 64 the request holds at
+    most BLOCKS_PER_REQUEST of the pool's POOL - 1 usable blocks at any step, however long it runs."""
+    samples: list[tuple[int, float]] = []  # (tokens generated, KV cache usage), every 25 tokens or so
+
+    def sample(tokens):
+        if not samples or tokens >= samples[-1][0] + 25:
+            samples.append((tokens, metrics(server)["vllm:kv_cache_usage_perc"]))
+
+    result = stream(server, max_tokens=600, on_tokens=sample)
+    assert result == {"tokens": 600, "finish_reason": "length"}
+    late = [usage for tokens, usage in samples if tokens >= 300]
+    assert len(late) >= 5
+    assert 0 < max(late) <= BLOCKS_PER_REQUEST / (POOL - 1), samples
+    assert wait_idle(server)["vllm:kv_cache_usage_perc"] == 0.0
+
+
+def test_a_model_that_is_not_there_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "kvsieve.cli", "serve", "./no-such-model",
+                             "--method", "streaming", "--budget", "64"],
+                            capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"}, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model directory './no-such-model' does not exist" in result.stderr
