@@ -92,6 +92,9 @@ class SieveCPUModelRunner(CPUModelRunner):
     def _sieve_compact(self, c: Compaction) -> None:
         """Compress request ``c.req_id`` with the served method (``store.compress_request``: kvsieve's
         scorer and schedule over its paged KV), then cut its block-table row to the kept blocks."""
+        req_state = self.requests[c.req_id]
+        if list(req_state.block_ids[0]) != list(c.block_ids):
+            raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
         names, caches = self._sieve_layers()
         context = self.compilation_config.static_forward_context
         recorder = self.sieve_recorder
@@ -99,9 +102,6 @@ class SieveCPUModelRunner(CPUModelRunner):
                          self.sieve_requests.setdefault(c.req_id, RequestState()), c,
                          lambda layer: None if recorder is None else recorder.recent(layer, c.req_id))
         # the request's block-table row: the kept blocks (the scheduler cut its list the same way)
-        req_state = self.requests[c.req_id]
-        if list(req_state.block_ids[0]) != list(c.block_ids):
-            raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
         for ids in req_state.block_ids:
             del ids[c.kept_blocks:]
         row = self.input_batch.req_id_to_index.get(c.req_id)
