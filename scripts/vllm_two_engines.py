@@ -36,6 +36,9 @@ METHODS = {
     "snapkv": {"options": {"window": 8}},
     "rkv": {},
     "tova": {},
+    "h2o": {},
+    "lazy": {},
+    "raas": {},
     "ams:expected": {},
 }
 BLOCK = 32
@@ -123,7 +126,6 @@ def main() -> int:
     prompts = gsm8k_prompts(tok, args.prompts)
     max_model_len = max(map(len, prompts)) + args.new_tokens + BLOCK
     config = GenerateConfig(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    rope = getattr(model.config, "rope_parameters", None)
 
     plain, _ = vllm_tokens(model_dir, prompts, args.new_tokens, None, max_model_len)
     full = generate(model, tok, prompts, config=config).token_ids
@@ -134,9 +136,14 @@ def main() -> int:
     agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
     for method in args.methods.split(","):
         cfg = {"method": method, "budget": args.budget, "interval": args.interval, **METHODS.get(method, {})}
-        settings = SieveSettings.from_config(cfg).for_model(rope)
+        settings = SieveSettings.from_config(cfg).for_model(model.config)
         started = time.perf_counter()
-        ours, compactions = vllm_tokens(model_dir, prompts, args.new_tokens, cfg, max_model_len)
+        try:
+            ours, compactions = vllm_tokens(model_dir, prompts, args.new_tokens, cfg, max_model_len)
+        except Exception as err:  # one method's failure is reported, not hidden, and the others still run
+            result["methods"][method] = {"error": f"{type(err).__name__}: {err}"}
+            print(json.dumps({method: result["methods"][method]}), flush=True)
+            continue
         theirs = generate(model, tok, prompts, policy=settings.policy, config=config).token_ids
         row = compare(ours, theirs)
         row["settings"] = {k: v for k, v in settings.policy.settings().items() if not k.startswith("allocator_")}

@@ -24,11 +24,12 @@ from typing import Any
 # no eviction (the exactness baseline).  Wrappers: ``ams:<base>`` and ``ams-released:<base>`` over
 # a served base.
 #
+# Scorers that observe every query's attention (H2O's sums, LazyEviction's and RaaS's timestamps)
+# have their state rebuilt at each compaction from every query since the last one, the prompt's
+# included, so their ring holds ``max_model_len`` queries per request (``query_window``).
+#
 # Not served, and why (``unserved`` gives the same reason for any method and settings):
 #
-# * h2o, lazy, raas: their per-token state (H2O's accumulated attention, LazyEviction's and RaaS's
-#   timestamps) is updated by every query's attention, the prompt's included; rebuilding it at a
-#   compaction would need every prompt query recorded, not a ring of the last few;
 # * caote:<base> and fastcaote:<base>: they read the attention pass's own value mixes
 #   (``step_results``) and evict the prompt block by block (prefill_block), which vLLM's chunked
 #   prefill does not hand over;
@@ -38,7 +39,8 @@ from typing import Any
 # * knorm with its default skip_layers=2: two whole layers cannot share a block table with
 #   compressed ones; served with skip_layers=0;
 # * the pyramid and adakv allocators (per-layer and per-head counts): not offered.
-SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova")
+SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
+          "h2o", "lazy", "raas")
 SERVED_WRAPPERS = ("ams", "ams-released")
 
 
@@ -58,9 +60,6 @@ def unserved(policy) -> str | None:
                "compressed layers (set skip_layers=0)"
     if needs.per_token_hook:
         return "it needs a per-token host hook (kvsieve's own decode loop only)"
-    if needs.observes and not needs.observes_last_only:
-        return "its per-token state is updated by every query's attention, the prompt's included, which a ring " \
-               "of recent queries cannot rebuild"
     if policy.prefill_block_size() is not None:
         return "it evicts the prompt block by block (prefill_block), which vLLM's chunked prefill does not hand over"
     if policy.allocator.ragged_heads or policy.allocator.name != "uniform":
@@ -128,31 +127,46 @@ class SieveSettings:
     def compresses(self) -> bool:
         return self.method != "full"
 
-    def for_model(self, rope_parameters: dict | None) -> "SieveSettings":
-        """These settings for a model whose RoPE is ``rope_parameters`` (its HF config's): a scorer
-        that de-rotates queries (Expected Attention's ``rope_theta``) reads the model's RoPE base from
-        its frequencies in kvsieve's engine (``attach``), which vLLM's model does not keep; unless
-        set in ``options``, it gets the base of the model's standard RoPE here, and a scaled RoPE is
-        refused."""
+    def for_model(self, hf_config) -> "SieveSettings":
+        """These settings for the model of ``hf_config`` (its HF config).  In kvsieve's engine a
+        scorer reads facts of the model in ``attach``, which vLLM's model cannot answer: Expected
+        Attention's RoPE frequencies (the ``inv_freq`` buffer, which vLLM's rotary embedding does
+        not keep) and the timestamp methods' alpha of the model's family (``family="auto"``,
+        ``config.model_type``).  Unless set in ``options``, they are given here from the config:
+        ``rope_theta`` of the model's standard RoPE (a scaled RoPE is refused) and ``family``."""
         import dataclasses
 
         from ..methods import SCORERS
+        from ..methods._timestamps import ALPHA_BY_FAMILY, MODEL_FAMILY
 
         base = SCORERS.get(self.method.split(":", 1)[-1])
-        if base is None or "rope_theta" not in {f.name for f in dataclasses.fields(base)} \
-                or "rope_theta" in self.options:
-            return self
-        rope = dict(rope_parameters or {})
-        if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
-            raise ValueError(f"kvsieve: {self.method} needs the model's RoPE base, and the model's RoPE is {rope}; "
-                             "set options={'rope_theta': BASE} for standard RoPE")
-        return dataclasses.replace(self, options={**self.options, "rope_theta": float(rope["rope_theta"])})
+        fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
+        options = dict(self.options)
+        if "rope_theta" in fields and "rope_theta" not in options:
+            rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+            if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+                raise ValueError(f"kvsieve: {self.method} needs the model's RoPE base, and the model's RoPE is "
+                                 f"{rope}; set options={{'rope_theta': BASE}} for standard RoPE")
+            options["rope_theta"] = float(rope["rope_theta"])
+        if "family" in fields and options.get("family", MODEL_FAMILY) == MODEL_FAMILY and options.get("alpha") is None:
+            family = getattr(hf_config, "model_type", None)
+            if family not in ALPHA_BY_FAMILY:
+                raise ValueError(f"kvsieve: {self.method} takes its alpha from the model's family, and "
+                                 f"{family!r} is none of {sorted(ALPHA_BY_FAMILY)}; set options={{'alpha': A}}")
+            options["family"] = family
+        return self if options == self.options else dataclasses.replace(self, options=options)
 
-    def query_window(self) -> int:
+    def query_window(self, max_model_len: int = 0) -> int:
         """Recent queries per (request, layer) the worker records: what the scorer scores with
-        (``Needs.query_window``; TOVA's last query), and at least ``record_queries``."""
+        (``Needs.query_window``; TOVA's last query), every query of a request (``max_model_len``)
+        for a scorer that observes every query's attention (``store.observe_since``), and at
+        least ``record_queries``."""
         scorer = self.policy.scorer
-        return max(self.record_queries, 0 if scorer is None else scorer.needs.query_window)
+        if scorer is None:
+            return self.record_queries
+        needs = scorer.needs
+        every = max_model_len if needs.observes and not needs.observes_last_only else 0
+        return max(self.record_queries, needs.query_window, every, 1 if needs.observes else 0)
 
 
 def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomputed: bool = False,

@@ -21,13 +21,14 @@ compression.  Every slot of a request is live (its length is its KV length), so 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..attention import attention_probs, visible
-from ..cache import LayerView
+from ..cache import DEAD_POS, LayerView
 from ..schedule import keep_set
 from .paged import Layout, gather, write_
 from .plan import Compaction
@@ -78,14 +79,32 @@ def request_layer(keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, f
                      scaling, {}, layer_idx, S)
 
 
-def observe_last_query(scorer, layer: LayerView) -> None:
-    """Hand ``scorer.observe`` the newest query's attention row over the layer, [1, H_kv, G, 1, S]:
-    what kvsieve's attention pass hands it on the step before a compression (observes_last_only)."""
-    if layer.recent_queries is None or layer.recent_queries.shape[2] == 0:
-        raise RuntimeError(f"kvsieve: {scorer.name} observes the newest query, but none was recorded")
-    query, qpos = layer.recent_queries[:, :, -1:], layer.recent_query_pos[:, -1:]  # [1, H_q, 1, D], [1, 1]
-    probs = attention_probs(query, layer.keys, visible(layer.meta["pos"], qpos, layer.sliding_window), layer.scaling)
-    scorer.observe(layer, probs, qpos)
+def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: int, since: int,
+                  prompt_len: int) -> None:
+    """Hand ``scorer.observe`` the attention rows of the request's queries at positions ``since`` ..
+    ``logical_len - 1`` (those after its last compaction), as kvsieve's engine does: the prompt's
+    (positions below ``prompt_len``) in one call, then one call per decode query; only the newest
+    for a scorer that keeps the newest row alone (``observes_last_only``).
+
+    queries: [n, H_q, D] the request's recorded queries, oldest first, at positions
+    ``logical_len - n`` .. ``logical_len - 1``; each call's rows are [1, H_kv, G, T, S].  Each call
+    sees the layer as it was then: slots appended after the call's last query are dead (their
+    position DEAD_POS), so a scorer's ``live()`` and its writes leave them at their initial state."""
+    n = queries.shape[0]
+    first = logical_len - 1 if scorer.needs.observes_last_only else since
+    if n == 0 or first < logical_len - n:
+        raise RuntimeError(f"kvsieve: {scorer.name} observes the queries from position {first} on, but only the "
+                           f"last {n} of {logical_len} were recorded")
+    calls = [(first, min(prompt_len, logical_len))] if first < prompt_len else []
+    calls += [(p, p + 1) for p in range(max(first, prompt_len), logical_len)]
+    pos = layer.meta["pos"]  # [1, H_kv, S]
+    for start, end in calls:
+        rows = queries[start - (logical_len - n):end - (logical_len - n)]  # [T, H_q, D]
+        query, qpos = rows.permute(1, 0, 2)[None], torch.arange(start, end)[None]  # [1, H_q, T, D], [1, T]
+        then = dataclasses.replace(layer, meta={**layer.meta, "pos": pos.masked_fill(pos >= end, DEAD_POS)})
+        allowed = visible(then.meta["pos"], qpos, layer.sliding_window)  # [1, H_kv, T, S]: causal by position
+        scorer.observe(then, attention_probs(query, layer.keys, allowed, layer.scaling), qpos)
+        layer.meta.update({name: t for name, t in then.meta.items() if name != "pos"})  # fields a scorer replaced
 
 
 def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
@@ -96,7 +115,7 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read through
     ``layout``; scalings: each layer's softmax scale; state: the request's positions and fields,
     updated to the kept slots; queries_of(layer): the request's recorded queries [n, H_q, D] in that
-    layer (None when the scorer reads none)."""
+    layer, all the ring holds (None when the scorer reads none)."""
     scorer, needs = policy.scorer, policy.scorer.needs
     L, H = len(caches), caches[0].shape[1]
     block_ids = torch.tensor(c.block_ids, dtype=torch.long)
@@ -107,10 +126,13 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     new_pos, new_fields = [], {name: [] for name in fields}
     for layer, cache in enumerate(caches):
         keys, values = gather(layout, cache, block_ids, c.kv_len)  # [H, kv_len, D] copies
+        queries = queries_of(layer) if needs.query_window or needs.observes else None  # [n, H_q, D]
+        window = None if not needs.query_window else queries[queries.shape[0] - min(needs.query_window,
+                                                                                    queries.shape[0]):]
         view = request_layer(keys, values, positions[layer], {n: t[layer] for n, t in fields.items()},
-                             queries_of(layer) if needs.query_window else None, c.logical_len, scalings[layer], layer)
+                             window, c.logical_len, scalings[layer], layer)
         if needs.observes:
-            observe_last_query(scorer, view)
+            observe_since(scorer, view, queries, c.logical_len, state.next_pos, c.prompt_len)
         kept = keep_set(view, policy, policy.budget, seen, prompt_len)[0]  # [H, keep], in slot order
         if kept.shape[-1] != c.keep:
             raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned {c.keep}")

@@ -41,8 +41,7 @@ _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
 class SieveCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
-        self.sieve: SieveSettings = settings_of(vllm_config).for_model(
-            getattr(vllm_config.model_config.hf_config, "rope_parameters", None))
+        self.sieve: SieveSettings = settings_of(vllm_config).for_model(vllm_config.model_config.hf_config)
         self.sieve_policy = self.sieve.policy  # kvsieve's Policy: its scorer chooses the kept tokens
         self.sieve_layout = CpuLayout()
         self.sieve_requests: dict[str, RequestState] = {}
@@ -69,7 +68,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         if len(isas) != 1:
             raise ValueError(f"kvsieve: attention layers use several CPU kernels {sorted(map(str, isas))}")
         self.sieve_layout = CpuLayout.for_isa(isas.pop())
-        window = self.sieve.query_window()
+        window = self.sieve.query_window(self.model_config.max_model_len)
         if window:
             first = self.compilation_config.static_forward_context[names[0]]
             self.sieve_recorder = QueryRecorder(names, self.max_num_reqs, window, first.num_heads,
