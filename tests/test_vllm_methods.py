@@ -49,10 +49,13 @@ SERVED = {
     "snapkv": {"options": {"window": 8}},
     "rkv": {},
     "tova": {},
+    "h2o": {},
+    "lazy": {},
+    "raas": {},
     "ams:expected": {},
     "triattention": {"options": {"stats": STATS}} if STATS else None,
 }
-DEFAULT = {"tova", "knorm"}
+DEFAULT = {"h2o"}  # records every query of a request: the largest ring
 
 
 def _model_dir():

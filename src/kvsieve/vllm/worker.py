@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import psutil
 import torch
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -71,6 +72,14 @@ class SieveCPUModelRunner(CPUModelRunner):
         window = self.sieve.query_window(self.model_config.max_model_len)
         if window:
             first = self.compilation_config.static_forward_context[names[0]]
+            need = len(names) * self.max_num_reqs * window * first.num_heads * first.head_size \
+                * self.model_config.dtype.itemsize
+            free = psutil.virtual_memory().available
+            logger.info("kvsieve: recording %d queries per request and layer: %.2f GiB", window, need / 2**30)
+            if need > free // 2:
+                raise ValueError(f"kvsieve: {self.sieve.method} records {window} queries per request and layer, "
+                                 f"{need / 2**30:.1f} GiB for max_num_seqs={self.max_num_reqs}, more than half the "
+                                 f"{free / 2**30:.1f} GiB free; lower max_num_seqs or max_model_len")
             self.sieve_recorder = QueryRecorder(names, self.max_num_reqs, window, first.num_heads,
                                                 first.head_size, self.model_config.dtype)
             for name in names:
