@@ -102,6 +102,13 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "mean_first_divergence": sum(firsts) / len(firsts)}
 
 
+def save(result: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
@@ -154,13 +161,11 @@ def main() -> int:
         row["identical_where_full_agrees"] = sum(row["identical"][i] for i in agree) / max(1, len(agree))
         row["seconds"] = round(time.perf_counter() - started, 1)
         result["methods"][method] = row
+        save(result, args.out)  # after every method: a long run leaves what it measured
         print(json.dumps({method: {k: row[k] for k in ("identical_share", "identical_where_full_agrees",
                                                         "mean_first_divergence", "compactions")}}), flush=True)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save(result, args.out)
     print(json.dumps({"baseline_full_identical_share": result["baseline_full"]["identical_share"],
                       "seconds": result["seconds"]}))
     return 0
