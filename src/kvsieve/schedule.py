@@ -181,6 +181,28 @@ def keep_layer(layer: StoreLayer, policy: Policy, budget: int | None, seen_token
     layer.compact(kept_idx, new_lengths, capacity=kept_idx.shape[-1] + policy.interval, max_len=kept_idx.shape[-1])
 
 
+def keep_set(layer, policy: Policy, budget: int, seen_tokens: torch.Tensor,
+             prompt_len: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots each (row, kv head) of ``layer`` keeps when every head must keep the same count:
+    ``kept_idx`` [B, H_kv, K] in slot order, K = ``budget`` (+ each row's ``prompt_len`` [B] with a
+    protected prompt, one value for every row).  For a store whose heads share one block table (a
+    paged engine: AMS Appendix E), with the uniform allocator; the choice is ``keep_layer``'s: the
+    layer's ``protected_scores``, then the scorer's own ``select`` or the top K.  It is read only:
+    the caller moves the slots.  A ``select`` that keeps another count in some head is refused."""
+    scores = protected_scores(layer, policy, seen_tokens, prompt_len)  # [B, H, S]
+    keep = budget if prompt_len is None else budget + int(prompt_len.max())
+    if prompt_len is not None and int(prompt_len.min()) + budget != keep:
+        raise ValueError("keep_set: rows with different prompt lengths keep different counts")
+    chosen = policy.scorer.select(layer, scores, row_budget(budget, prompt_len), seen_tokens)
+    if chosen is None:
+        kept_idx, new_lengths = top_k_indices(scores, keep)
+    else:
+        kept_idx, new_lengths = indices_from_mask(chosen[0] & (layer.meta["pos"] != DEAD_POS), keep)
+    if bool((new_lengths != keep).any()):
+        raise ValueError(f"{policy.name} kept {new_lengths.tolist()} tokens per head, not {keep} in each")
+    return kept_idx
+
+
 def can_evict_in_place(layer: StoreLayer, policy: Policy, bound: int) -> bool:
     """In place when the scorer allows any slot order, the allocator keeps the same count in
     every head, and the layer is already at its steady capacity (bound + interval), so that
