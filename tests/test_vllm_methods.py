@@ -38,7 +38,7 @@ except UnsupportedVLLM as err:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The history of the printing press begins", "In mathematics, a prime number is"]
 NEW_TOKENS, BLOCK = 48, 32
-STATS = os.environ.get("KVSIEVE_TRIATTENTION_STATS")  # a smollm2-135m statistics file (kvsieve calibrate)
+STATS = "<calibrated>"  # triattention's statistics: the tri_stats fixture's (calibrated on the bundled model)
 # each served method with the settings it needs on the bundled model (None: skipped, why)
 SERVED = {
     "streaming": {},
@@ -53,7 +53,7 @@ SERVED = {
     "lazy": {},
     "raas": {},
     "ams:expected": {},
-    "triattention": {"options": {"stats": STATS}} if STATS else None,
+    "triattention": {"options": {"stats": STATS}},  # its defaults: per_head across layers, the prompt pinned
 }
 DEFAULT = {"h2o"}  # records every query of a request: the largest ring
 
@@ -83,15 +83,40 @@ def _greedy(kvsieve: dict | None, n: int = NEW_TOKENS, **engine):
 
 
 @pytest.fixture(scope="module")
+def tri_stats(tmp_path_factory):
+    """TriAttention statistics of the bundled model from a few GSM8K-like lines (seconds), or the
+    file named by KVSIEVE_TRIATTENTION_STATS."""
+    if os.environ.get("KVSIEVE_TRIATTENTION_STATS"):
+        return os.environ["KVSIEVE_TRIATTENTION_STATS"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvsieve.analysis.qk import calibrate
+
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype="float32")
+    tok = AutoTokenizer.from_pretrained(_model_dir())
+    texts = ["Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether. #### 72",
+             "Weng earns 12/60 = $0.2 per minute. Working 50 minutes, she earned 0.2 x 50 = $10. #### 10"]
+    path = tmp_path_factory.mktemp("tri") / "smol.pt"
+    calibrate(model, tok, texts * 4, tokens=256, chunk=128).save(path)
+    return str(path)
+
+
+def _settings(method: str, request) -> dict:
+    """The method's settings of ``SERVED``, its statistics file filled in."""
+    settings = SERVED[method]
+    if settings.get("options", {}).get("stats") == STATS:
+        settings = {**settings, "options": {**settings["options"], "stats": request.getfixturevalue("tri_stats")}}
+    return settings
+
+
+@pytest.fixture(scope="module")
 def plain():
     return _greedy(None)[0]
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in DEFAULT else pytest.mark.slow) for m in SERVED])
-def test_a_budget_above_the_length_gives_plain_vllms_tokens(plain, method):
-    if SERVED[method] is None:
-        pytest.skip(f"{method}: set KVSIEVE_TRIATTENTION_STATS to a smollm2-135m statistics file")
-    tokens, stats = _greedy({"method": method, "budget": 400, "interval": 8, **SERVED[method]})
+def test_a_budget_above_the_length_gives_plain_vllms_tokens(plain, method, request):
+    tokens, stats = _greedy({"method": method, "budget": 400, "interval": 8, **_settings(method, request)})
     assert stats["compactions"] == 0  # nothing over the budget: the served path must change nothing
     assert tokens == plain
 

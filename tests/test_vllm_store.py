@@ -129,3 +129,46 @@ def test_keep_set_refuses_a_select_that_keeps_uneven_counts():
     policy.scorer = Uneven()
     with pytest.raises(ValueError, match=r"kept \[\[24, 23\]\] tokens per head, not 24"):
         keep_set(layer.view(), policy, BUDGET, torch.tensor([S]))
+
+
+@pytest.mark.parametrize("prompt", [10, 30])
+def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, prompt):
+    """TriAttention's defaults (issue 51): each kv head keeps the same tokens in every layer, by the
+    mean over layers of each layer's scores (``per_head``), and the prompt is pinned inside the budget
+    (its first BUDGET tokens when longer, prompt 30 > 24).  The adapter keeps, in every (layer, kv
+    head), the tokens kvsieve's own schedule keeps (``Schedule.compress``) on the same keys."""
+    from kvsieve.methods.triattention import QueryStats
+    from kvsieve.schedule import Schedule
+
+    g = torch.Generator().manual_seed(3)
+    q_mean = torch.randn(L, HQ, D // 2, 2, generator=g)
+    stats = QueryStats(q_mean=q_mean, q_abs_mean=q_mean.norm(dim=-1) * 1.5,
+                       inv_freq=10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float64) / D), attention_scaling=1.0,
+                       num_kv_heads=H, model_name="synthetic", fingerprint={}, settings={})
+    stats.save(tmp_path / "stats.pt")
+    settings = SieveSettings.from_config({"method": "triattention", "budget": BUDGET,
+                                          "options": {"stats": str(tmp_path / "stats.pt")}})
+    policy = settings.policy
+    assert policy.pin_prompt and policy.scorer.needs.cross_layer  # the defaults under test
+    keys, values, _ = _request(1)
+
+    cache = SieveCache(L, **scorer_fields(policy.scorer))  # kvsieve's store, compressed by its schedule
+    qpos = torch.arange(S)[None]
+    cache.begin_step(qpos)
+    for layer_idx in range(L):
+        cache.layers[layer_idx].update(keys[layer_idx][None], values[layer_idx][None], qpos)
+    schedule = Schedule(policy, cache, horizon=S)
+    schedule.record_prompt(torch.tensor([prompt]))
+    cache.set_seen(torch.tensor([S]))
+    assert schedule.compress()
+
+    caches, state = _paged(keys, values), RequestState()
+    c = Compaction("r", tuple(BLOCKS), kv_len=S, keep=BUDGET, kept_blocks=len(BLOCKS), logical_len=S, prompt_len=prompt)
+    compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c, lambda layer: None)
+    for layer_idx in range(L):
+        ref = cache.layers[layer_idx].meta["pos"][0]  # [H, cap]
+        for h in range(H):
+            theirs = ref[h][ref[h] != DEAD_POS].sort().values.tolist()
+            assert state.pos[layer_idx, h].tolist() == theirs, (prompt, layer_idx, h)
+            assert set(range(min(prompt, BUDGET))) <= set(theirs)  # the pinned prompt stays
+    assert torch.equal(state.pos[0], state.pos[1])  # the same tokens in every layer

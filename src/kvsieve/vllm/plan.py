@@ -83,10 +83,11 @@ class SieveSettings:
     interval: int | None = None
     compress_prefill: bool | None = None
     protect_prompt: bool | None = None
+    pin_prompt: bool | None = None
     record_queries: int = 0
     options: dict = field(default_factory=dict, hash=False)
 
-    SCHEDULE = ("sinks", "recent", "interval", "compress_prefill", "protect_prompt")
+    SCHEDULE = ("sinks", "recent", "interval", "compress_prefill", "protect_prompt", "pin_prompt")
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None) -> "SieveSettings":

@@ -29,7 +29,7 @@ import torch
 
 from ..attention import attention_probs, visible
 from ..cache import DEAD_POS, LayerView
-from ..schedule import keep_set
+from ..schedule import cross_layer_scores, keep_set
 from .paged import Layout, gather, write_
 from .plan import Compaction
 
@@ -61,13 +61,15 @@ class RequestState:
 
 
 def request_layer(keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, fields: dict[str, torch.Tensor],
-                  queries: torch.Tensor | None, logical_len: int, scaling: float, layer_idx: int) -> LayerView:
+                  queries: torch.Tensor | None, logical_len: int, scaling: float, layer_idx: int,
+                  prompt_len: int | None = None) -> LayerView:
     """One request's layer as a scorer reads it (``engine.LayerReader``), a batch of one row.
 
     keys, values: [H_kv, S, D] (S = KV length); pos: [H_kv, S]; fields: {name: [H_kv, S]} (the view
     holds them as [1, H_kv, S] views, so a scorer's writes reach ``fields``); queries: [n, H_q, D]
     the request's last n post-RoPE queries, oldest first, at positions logical_len - n .. logical_len - 1
-    (vLLM records every query row in position order), or None."""
+    (vLLM records every query row in position order), or None; prompt_len: the request's prompt when
+    the policy keeps it (``LayerReader.prompt_len``), else None."""
     H, S = pos.shape
     recent = recent_pos = None
     if queries is not None:
@@ -76,7 +78,7 @@ def request_layer(keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, f
         recent_pos = torch.arange(logical_len - n, logical_len)[None]  # [1, n]
     meta = {"pos": pos[None], **{name: t[None] for name, t in fields.items()}}
     return LayerView(keys[None], values[None], torch.full((1, H), S, dtype=torch.long), meta, {}, recent, recent_pos,
-                     scaling, {}, layer_idx, S)
+                     scaling, {}, layer_idx, S, prompt_len=None if prompt_len is None else torch.tensor([prompt_len]))
 
 
 def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: int, since: int,
@@ -115,25 +117,39 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read through
     ``layout``; scalings: each layer's softmax scale; state: the request's positions and fields,
     updated to the kept slots; queries_of(layer): the request's recorded queries [n, H_q, D] in that
-    layer, all the ring holds (None when the scorer reads none)."""
+    layer, all the ring holds (None when the scorer reads none).  A cross-layer scorer
+    (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer read first, and every layer
+    keeps the tokens of the mean of their scores (``schedule.cross_layer_scores``)."""
     scorer, needs = policy.scorer, policy.scorer.needs
     L, H = len(caches), caches[0].shape[1]
     block_ids = torch.tensor(c.block_ids, dtype=torch.long)
     positions = state.positions(c.kv_len, L, H)  # [L, H, kv_len]
     fields = {name: state.field(name, init, c.kv_len, L, H) for name, init in needs.meta.items()}
+    kept_prompt = c.prompt_len if policy.protect_prompt or policy.pin_prompt else None
     prompt_len = torch.tensor([c.prompt_len]) if policy.protect_prompt else None
+    pinned = torch.tensor([min(c.prompt_len, policy.budget)]) if policy.pin_prompt else None
     seen = torch.tensor([c.logical_len])  # [1]: the next token's position
-    new_pos, new_fields = [], {name: [] for name in fields}
-    for layer, cache in enumerate(caches):
-        keys, values = gather(layout, cache, block_ids, c.kv_len)  # [H, kv_len, D] copies
+
+    def read(layer: int) -> LayerView:
+        """Layer ``layer`` of the request as the scorer reads it, its attention rows observed."""
+        keys, values = gather(layout, caches[layer], block_ids, c.kv_len)  # [H, kv_len, D] copies
         queries = queries_of(layer) if needs.query_window or needs.observes else None  # [n, H_q, D]
         window = None if not needs.query_window else queries[queries.shape[0] - min(needs.query_window,
                                                                                     queries.shape[0]):]
         view = request_layer(keys, values, positions[layer], {n: t[layer] for n, t in fields.items()},
-                             window, c.logical_len, scalings[layer], layer)
+                             window, c.logical_len, scalings[layer], layer, kept_prompt)
         if needs.observes:
             observe_since(scorer, view, queries, c.logical_len, state.next_pos, c.prompt_len)
-        kept = keep_set(view, policy, policy.budget, seen, prompt_len)[0]  # [H, keep], in slot order
+        return view
+
+    views = [read(layer) for layer in range(L)] if needs.cross_layer else None
+    scores = None if views is None else cross_layer_scores(views, policy, seen,
+                                                           prompt_len if pinned is None else pinned)
+    new_pos, new_fields = [], {name: [] for name in fields}
+    for layer, cache in enumerate(caches):
+        view = read(layer) if views is None else views[layer]
+        keys, values = view.keys[0], view.values[0]  # [H, kv_len, D]
+        kept = keep_set(view, policy, policy.budget, seen, prompt_len, pinned, scores)[0]  # [H, keep], slot order
         if kept.shape[-1] != c.keep:
             raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned {c.keep}")
         heads = torch.arange(H)[:, None]
