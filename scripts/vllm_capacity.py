@@ -4,9 +4,10 @@ stepped in-process so the scheduler's queues and block pool can be read each ste
 
     PYTHONPATH=src /work/vllm-env/bin/python scripts/vllm_capacity.py --requests 16 --new-tokens 512
 
-Prints one JSON line per method: peak running requests, steps with requests waiting, preemptions,
-peak blocks in use, wall time and output tokens/s.  Run both methods in one call: ratios between
-runs on a shared machine are only meaningful within one call.
+Prints one JSON line per method: peak running requests, the largest batch that ran to its end
+without a preemption, steps with requests waiting, preemptions, peak blocks in use, wall time and
+output tokens/s.  Run both methods in one call: ratios between runs on a shared machine are only
+meaningful within one call.  ``scripts/vllm_bench.py`` builds the issue's benchmark on ``measure``.
 """
 
 from __future__ import annotations
@@ -25,51 +26,104 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "The three laws of thermodynamics state that",
 ]
+# fp32 SmolLM2-135M: 30 layers x 3 kv heads x 64 dims x 2 (k, v) x 4 bytes per token
+TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
 
 
-def run(args, method: str) -> dict:
-    from vllm import LLM, SamplingParams
+def make_engine(method: str, budget: int | None, *, kv_blocks: int, block_size: int, interval: int,
+                settings: dict | None = None):
+    """An in-process ``vllm.LLM`` on the bundled SmolLM2-135M (fp32, eager) whose KV space is
+    ``kv_blocks`` usable blocks of ``block_size`` tokens: plain vLLM (prefix caching off) when
+    ``method`` is "plain", else kvsieve's classes serving ``method`` at ``budget`` with
+    ``interval`` and the method's other ``settings`` (``engine_kwargs`` keywords)."""
+    from vllm import LLM
 
     from kvsieve.models import ensure_bundled
     from kvsieve.vllm import engine_kwargs
 
     extra = {"enable_prefix_caching": False}
     if method != "plain":
-        extra = engine_kwargs(method, args.budget, interval=args.interval)
-    block_bytes = 30 * 3 * 64 * 2 * 4 * args.block_size  # fp32 SmolLM2-135M
-    llm = LLM(model=str(ensure_bundled("smollm2-135m")), dtype="float32", enforce_eager=True,
-              max_model_len=args.kv_blocks * args.block_size, block_size=args.block_size,
-              kv_cache_memory_bytes=(args.kv_blocks + 1) * block_bytes, seed=0, **extra)
+        extra = engine_kwargs(method, budget, interval=interval, **(settings or {}))
+    # one block more than asked: vLLM keeps block 0 as its null block.  vLLM refuses a pool smaller
+    # than one max_model_len request, so max_model_len is the pool.
+    return LLM(model=str(ensure_bundled("smollm2-135m")), dtype="float32", enforce_eager=True,
+               max_model_len=kv_blocks * block_size, block_size=block_size,
+               kv_cache_memory_bytes=(kv_blocks + 1) * TOKEN_BYTES * block_size, seed=0, **extra)
+
+
+def engine_parts(llm):
+    """(engine, scheduler, block pool) of an in-process ``llm``.  Reads vLLM 0.32's internals
+    (``engine_core.engine_core.scheduler``, ``kv_cache_manager.block_pool``): the only place here
+    that does; they hold with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    pool = scheduler.kv_cache_manager.block_pool
-    total = pool.num_gpu_blocks - 1
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    for i in range(args.requests):
+    return engine, scheduler, scheduler.kv_cache_manager.block_pool
+
+
+def largest_batch_without_preemption(running: list[tuple[str, ...]], last_preempted: dict[str, int]) -> int:
+    """The most requests that ran together at one step and each then ran to its end with no
+    preemption: ``running[s]`` the requests running after step ``s``, ``last_preempted[r]`` the
+    step of ``r``'s last preemption (absent: never preempted)."""
+    return max((sum(last_preempted.get(r, -1) <= s for r in ids) for s, ids in enumerate(running)), default=0)
+
+
+def measure(llm, requests: int, new_tokens: int) -> dict:
+    """Submit ``requests`` greedy requests of ``new_tokens`` new tokens each (EOS ignored) at once,
+    step the engine until all finish, and return what its scheduler showed each step."""
+    from vllm import SamplingParams
+
+    engine, scheduler, pool = engine_parts(llm)
+    total = pool.num_gpu_blocks - 1  # less the null block
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(requests):
         engine.add_request(f"q{i}", PROMPTS[i % len(PROMPTS)], params)
     t0 = time.perf_counter()
-    steps = waiting_steps = peak_running = peak_blocks = tokens = 0
-    preempted: dict[str, int] = {}  # request -> most preemptions seen
+    waiting_steps = peak_blocks = tokens = 0
+    running: list[tuple[str, ...]] = []  # per step, the requests running after it
+    preemptions: dict[str, int] = {}  # request -> preemptions seen
+    last_preempted: dict[str, int] = {}  # request -> step of its last preemption
+    short = 0  # requests that finished with fewer than new_tokens tokens
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
-        steps += 1
-        peak_running = max(peak_running, len(scheduler.running))
+                short += len(out.outputs[0].token_ids) < new_tokens
+        step = len(running)
+        running.append(tuple(r.request_id for r in scheduler.running))
         waiting_steps += bool(len(scheduler.waiting))
         peak_blocks = max(peak_blocks, total - pool.get_num_free_blocks())
         for r in scheduler.requests.values():
-            preempted[r.request_id] = max(preempted.get(r.request_id, 0), r.num_preemptions)
+            if r.num_preemptions > preemptions.get(r.request_id, 0):
+                preemptions[r.request_id] = r.num_preemptions
+                last_preempted[r.request_id] = step
     wall = time.perf_counter() - t0
-    result = {"method": method, "budget": args.budget if method != "plain" else None, "requests": args.requests,
-              "new_tokens": args.new_tokens, "pool_blocks": total, "block_size": args.block_size,
-              "peak_running": peak_running, "steps": steps, "steps_with_waiting": waiting_steps,
-              "preemptions": sum(preempted.values()), "peak_blocks": peak_blocks, "all_blocks_back": pool.get_num_free_blocks() == total,
-              "wall_s": round(wall, 1), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1)}
+    return {"requests": requests, "new_tokens": new_tokens, "pool_blocks": total,
+            "peak_running": max(map(len, running), default=0),
+            "largest_batch_no_preemption": largest_batch_without_preemption(running, last_preempted),
+            "steps": len(running), "steps_with_waiting": waiting_steps, "preemptions": sum(preemptions.values()),
+            "peak_blocks": peak_blocks, "all_blocks_back": pool.get_num_free_blocks() == total,
+            "short_requests": short, "wall_s": round(wall, 1), "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 1)}
+
+
+def close(llm) -> None:
+    """Shut ``llm``'s in-process engine core down and free it before the next engine starts."""
+    engine, _, _ = engine_parts(llm)
     engine.engine_core.shutdown()
-    del llm, engine, scheduler
+    del llm, engine
     gc.collect()
-    return result
+
+
+def run(args, method: str, settings: dict | None = None) -> dict:
+    """One engine for ``method`` with ``args``' sizes: started, measured, shut down."""
+    budget = args.budget if method != "plain" else None
+    llm = make_engine(method, budget, kv_blocks=args.kv_blocks, block_size=args.block_size,
+                      interval=args.interval, settings=settings)
+    try:
+        result = measure(llm, args.requests, args.new_tokens)
+    finally:
+        close(llm)
+    return {"method": method, "budget": budget, **result, "block_size": args.block_size}
 
 
 def main() -> None:

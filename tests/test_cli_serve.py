@@ -26,12 +26,13 @@ def error_of(*args) -> str:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--method", "tova-not-a-method", "--budget", "64"], "method 'tova-not-a-method' is not served inside vLLM"),
-    (["--method", "streaming"], "method 'streaming' needs a budget of at least 1 token"),
-    (["--method", "streaming", "--budget", "64", "--sinks", "64"], "sinks 64 must be below the budget 64"),
-    (["--method", "streaming", "--budget", "64", "--interval", "0"], "interval 0 must be at least 1"),
+    (["--method", "tova-not-a-method", "--budget", "64"], "unknown method 'tova-not-a-method'; choose one of"),
+    (["--method", "streaming"], "method 'streaming' needs a positive budget"),
+    (["--method", "streaming", "--budget", "64", "--sinks", "-1"], "sinks= must be >= 0, got -1"),
+    (["--method", "streaming", "--budget", "64", "--interval", "0"], "interval= must be >= 1, got 0"),
     (["--method", "streaming", "--budget", "64", "--set", "window=8"], "unknown vLLM setting(s) ['window']"),
-    (["--method", "streaming", "--budget", "64", "--set", "sinks=four"], "a setting has a value of the wrong type"),
+    (["--method", "streaming", "--budget", "64", "--set", "sinks=four"], "sinks= must be an integer, got 'four'"),
+    (["--method", "skipkv", "--budget", "64"], "skipkv with these settings is not served inside vLLM: it needs a per-token"),
     (["--method", "streaming", "--budget", "64", "--set", "sinks"], "--set expects key=value, got 'sinks'"),
     (["--method", "streaming", "--budget", "64", "--enable-prefix-caching"],
      "kvsieve serve sets --enable-prefix-caching itself; drop it"),
@@ -44,8 +45,9 @@ def test_bad_settings_are_one_line_usage_errors(args, expected):
     assert expected in error_of("smollm2-135m", *args)
 
 
-def test_an_unknown_method_is_told_the_served_ones():
-    assert "served: " in error_of("smollm2-135m", "--method", "nope", "--budget", "64")
+def test_a_method_not_served_says_why():
+    assert "caote:tova with these settings is not served inside vLLM: it evicts the prompt block by block" in error_of(
+        "smollm2-135m", "--method", "caote:tova", "--budget", "64")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

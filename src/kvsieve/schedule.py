@@ -100,6 +100,15 @@ def protect(scores: torch.Tensor, pos: torch.Tensor, policy: Policy, seen_tokens
     return scores.masked_fill_(pos == DEAD_POS, float("-inf"))
 
 
+def cross_layer_scores(layers, policy: Policy, seen_tokens: torch.Tensor,
+                       prompt_len: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H_kv, capacity] the mean over ``layers`` of the scorer's scores, protected as
+    ``protected_scores`` says (``Needs.cross_layer``: every layer holds the same positions in the
+    same slots, so the first layer's positions stand for all)."""
+    mean = torch.stack([policy.scorer.score(layer, seen_tokens).float() for layer in layers]).mean(dim=0)
+    return protect(mean, layers[0].meta["pos"], policy, seen_tokens, prompt_len)
+
+
 def evict_in_place(layer: StoreLayer, policy: Policy, budget: int, seen_tokens: torch.Tensor, excess: int,
                    scores: torch.Tensor | None = None, prompt_len: torch.Tensor | None = None,
                    max_len: int | None = None, pinned: torch.Tensor | None = None) -> None:
@@ -179,6 +188,32 @@ def keep_layer(layer: StoreLayer, policy: Policy, budget: int | None, seen_token
             K = int(keep.sum(dim=-1).max())
         kept_idx, new_lengths = indices_from_mask(keep, K)
     layer.compact(kept_idx, new_lengths, capacity=kept_idx.shape[-1] + policy.interval, max_len=kept_idx.shape[-1])
+
+
+def keep_set(layer, policy: Policy, budget: int, seen_tokens: torch.Tensor,
+             prompt_len: torch.Tensor | None = None, pinned: torch.Tensor | None = None,
+             scores: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots each (row, kv head) of ``layer`` keeps when every head must keep the same count:
+    ``kept_idx`` [B, H_kv, K] in slot order, K = ``budget`` (+ each row's ``prompt_len`` [B] with a
+    protected prompt, one value for every row).  For a store whose heads share one block table (a
+    paged engine: AMS Appendix E), with the uniform allocator; the choice is ``keep_layer``'s: the
+    layer's ``protected_scores``, then the scorer's own ``select`` or the top K.  It is read only:
+    the caller moves the slots.  A ``select`` that keeps another count in some head is refused.
+    ``pinned`` [B] (``pin_prompt``): each row's first positions kept inside ``budget``; ``scores``:
+    the protected scores when already made (``cross_layer_scores``)."""
+    if scores is None:
+        scores = protected_scores(layer, policy, seen_tokens, prompt_len if pinned is None else pinned)  # [B, H, S]
+    keep = budget if prompt_len is None else budget + int(prompt_len.max())
+    if prompt_len is not None and int(prompt_len.min()) + budget != keep:
+        raise ValueError("keep_set: rows with different prompt lengths keep different counts")
+    chosen = policy.scorer.select(layer, scores, row_budget(budget, prompt_len), seen_tokens)
+    if chosen is None:
+        kept_idx, new_lengths = top_k_indices(scores, keep)
+    else:
+        kept_idx, new_lengths = indices_from_mask(chosen[0] & (layer.meta["pos"] != DEAD_POS), keep)
+    if bool((new_lengths != keep).any()):
+        raise ValueError(f"{policy.name} kept {new_lengths.tolist()} tokens per head, not {keep} in each")
+    return kept_idx
 
 
 def can_evict_in_place(layer: StoreLayer, policy: Policy, bound: int) -> bool:
@@ -415,10 +450,8 @@ class Schedule:
         if not any(self.layer_due(index) for index in range(len(layers))):
             return False
         seen, budget = self.store.seen_tokens, self.budgets[0]
-        mean = torch.stack([self.policy.scorer.score(layer, seen).float() for layer in layers]).mean(dim=0)
-        pos = layers[0].meta["pos"]
-        scores = protect(mean, pos, self.policy, seen, self.protected_prompt() if self.policy.protect_prompt
-                         else self.pinned_prompt(budget))
+        scores = cross_layer_scores(layers, self.policy, seen, self.protected_prompt() if self.policy.protect_prompt
+                                    else self.pinned_prompt(budget))
         bound = self.bound(budget)
         for layer in layers:
             keep_layer(layer, self.policy, budget, seen, scores.clone(), self.protected_prompt(), bound)

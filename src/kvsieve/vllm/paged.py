@@ -77,20 +77,27 @@ def gather(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, leng
     return keys[blk, :, off].transpose(0, 1), values[blk, :, off].transpose(0, 1)
 
 
+def write_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor,
+           values: torch.Tensor) -> None:
+    """In place: the request's first ``K`` slots of one layer get ``keys``, ``values`` [H_kv, K, D]."""
+    key_cache, value_cache = layout.key_value(kv_cache)
+    num_heads, k = keys.shape[:2]
+    heads = torch.arange(num_heads, device=keys.device)[:, None].expand(num_heads, k)
+    dst_blk, dst_off = _slots(block_ids, torch.arange(k, device=keys.device), key_cache.shape[2])
+    dst_blk, dst_off = dst_blk[None].expand(num_heads, k), dst_off[None].expand(num_heads, k)
+    key_cache[dst_blk, heads, dst_off] = keys
+    value_cache[dst_blk, heads, dst_off] = values
+
+
 def compact_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep: torch.Tensor) -> None:
     """In place: each kv head ``h`` keeps the tokens ``keep[h]`` ([H_kv, K], indices into the request's
     current KV, any order), moved to the request's first ``K`` slots in the order given.  The kept
     tokens are copied out before any slot is written, so a source slot may be overwritten freely."""
     keys, values = layout.key_value(kv_cache)
     num_heads, k = keep.shape
-    bs = keys.shape[2]
     heads = torch.arange(num_heads, device=keep.device)[:, None].expand(num_heads, k)
-    blk, off = _slots(block_ids, keep, bs)
-    k_sel, v_sel = keys[blk, heads, off], values[blk, heads, off]  # [H, K, D] copies
-    dst_blk, dst_off = _slots(block_ids, torch.arange(k, device=keep.device), bs)
-    dst_blk, dst_off = dst_blk[None].expand(num_heads, k), dst_off[None].expand(num_heads, k)
-    keys[dst_blk, heads, dst_off] = k_sel
-    values[dst_blk, heads, dst_off] = v_sel
+    blk, off = _slots(block_ids, keep, keys.shape[2])
+    write_(layout, kv_cache, block_ids, keys[blk, heads, off], values[blk, heads, off])  # [H, K, D] copies
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -15,66 +15,182 @@ the worker keeps no offset of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-# Methods this skeleton can serve inside vLLM.  "full" runs every kvsieve class with no eviction
-# (the exactness baseline); "streaming" keeps sinks + the most recent tokens and needs no scores,
-# so it exercises compaction, block reclaim and the two lengths before the engine-neutral
-# schedule (issue 48) is wired in.
-SERVED = ("full", "streaming")
+# Methods served inside vLLM, through kvsieve's own scorers and schedule (``schedule.keep_set``):
+# every (layer, kv head) of a request keeps the same count, fixed by the scheduler before any score
+# is computed (one block table per request: AMS Appendix E).  "full" runs every kvsieve class with
+# no eviction (the exactness baseline).  Wrappers: ``ams:<base>`` and ``ams-released:<base>`` over
+# a served base.
+#
+# Scorers that observe every query's attention (H2O's sums, LazyEviction's and RaaS's timestamps)
+# have their state rebuilt at each compaction from every query since the last one, the prompt's
+# included, so their ring holds ``max_model_len`` queries per request (``query_window``).
+#
+# Not served, and why (``unserved`` gives the same reason for any method and settings):
+#
+# * caote:<base> and fastcaote:<base>: they read the attention pass's own value mixes
+#   (``step_results``) and evict the prompt block by block (prefill_block), which vLLM's chunked
+#   prefill does not hand over;
+# * skipkv: a per-token host hook (sentence boundaries from the token text), kvsieve's loop only;
+# * lagkv: its partitions decide how many tokens stay, at compaction time; the scheduler must know
+#   the count before the step (a host-side rule from the length: not written yet);
+# * knorm with its default skip_layers=2: two whole layers cannot share a block table with
+#   compressed ones; served with skip_layers=0;
+# * the pyramid and adakv allocators (per-layer and per-head counts): not offered.
+SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
+          "h2o", "lazy", "raas")
+SERVED_WRAPPERS = ("ams", "ams-released")
+
+
+def unserved(policy) -> str | None:
+    """Why kvsieve's vLLM integration cannot serve ``policy`` (a ``kvsieve.policy.Policy``), in one
+    phrase, or None when it can: every (layer, kv head) must keep one count the scheduler knows
+    before the step, and a scorer's state must be rebuildable from the KV and the recorded queries."""
+    scorer = policy.scorer
+    if scorer is None:
+        return None
+    needs = scorer.needs
+    if not needs.uses_budget:
+        return "its own rule decides how many tokens stay at compaction time, and the scheduler must know the " \
+               "count before the step"
+    if needs.whole_layers:
+        return f"it keeps its first {needs.whole_layers} layers whole, which cannot share one block table with " \
+               "compressed layers (set skip_layers=0)"
+    if needs.per_token_hook:
+        return "it needs a per-token host hook (kvsieve's own decode loop only)"
+    if policy.prefill_block_size() is not None:
+        return "it evicts the prompt block by block (prefill_block), which vLLM's chunked prefill does not hand over"
+    if policy.allocator.ragged_heads or policy.allocator.name != "uniform":
+        return f"allocator {policy.allocator.name!r} gives layers or heads different counts"
+    return None
 
 
 @dataclass(frozen=True)
 class SieveSettings:
-    """Server-wide settings, from ``additional_config["kvsieve"]`` (``kvsieve.vllm.engine_kwargs``)."""
+    """Server-wide settings, from ``additional_config["kvsieve"]`` (``kvsieve.vllm.engine_kwargs``).
+
+    ``method``, ``budget`` and the schedule fields mean what they mean in ``kvsieve.make_policy``
+    (None: the method's default); ``options``: the method's own settings (``make_policy``'s other
+    keywords, e.g. ``{"skip_layers": 0}``, ``{"stats": FILE}``); ``record_queries``: at least this
+    many recent queries per (request, layer) recorded, beyond what the method asks for."""
 
     method: str = "full"
     budget: int | None = None
-    sinks: int = 4
-    interval: int = 16
-    compress_prefill: bool = True
-    record_queries: int = 0  # recent post-RoPE queries kept per (request, layer); 0: none recorded
+    sinks: int | None = None
+    recent: int | None = None
+    interval: int | None = None
+    compress_prefill: bool | None = None
+    protect_prompt: bool | None = None
+    pin_prompt: bool | None = None
+    record_queries: int = 0
+    options: dict = field(default_factory=dict, hash=False)
+
+    SCHEDULE = ("sinks", "recent", "interval", "compress_prefill", "protect_prompt", "pin_prompt")
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None) -> "SieveSettings":
+        """The settings, or a ValueError in one line (unknown key, method not served, bad value)."""
         config = dict(config or {})
         unknown = set(config) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"kvsieve: unknown vLLM setting(s) {sorted(unknown)}; known: "
                              f"{sorted(cls.__dataclass_fields__)}")
         settings = cls(**{k: v for k, v in config.items() if v is not None})
-        if settings.method not in SERVED:
-            raise ValueError(f"kvsieve: method {settings.method!r} is not served inside vLLM yet; "
-                             f"served: {', '.join(SERVED)}")
-        if settings.compresses:
-            if settings.budget is None or settings.budget < 1:
-                raise ValueError(f"kvsieve: method {settings.method!r} needs a budget of at least 1 token")
-            if not 0 <= settings.sinks < settings.budget:
-                raise ValueError(f"kvsieve: sinks {settings.sinks} must be below the budget {settings.budget}")
-            if settings.interval < 1:
-                raise ValueError(f"kvsieve: interval {settings.interval} must be at least 1")
+        if settings.record_queries < 0:
+            raise ValueError(f"kvsieve: record_queries must be >= 0, got {settings.record_queries}")
+        try:
+            policy = settings.policy
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"kvsieve: {settings.method}: {' '.join(str(err).split())}") from None
+        why = unserved(policy)
+        if why:
+            raise ValueError(f"kvsieve: {settings.method} with these settings is not served inside vLLM: {why}")
+        base = settings.method.split(":", 1)[-1]
+        wrapper = settings.method.split(":", 1)[0] if ":" in settings.method else None
+        if base not in SERVED or (wrapper is not None and wrapper not in SERVED_WRAPPERS):
+            raise ValueError(f"kvsieve: method {settings.method!r} is not served inside vLLM yet; served: "
+                             f"{', '.join(SERVED)}, and {', '.join(w + ':<base>' for w in SERVED_WRAPPERS)}")
         return settings
+
+    @cached_property
+    def policy(self):
+        """The ``kvsieve.policy.Policy`` these settings name (its defaults filled in by the method)."""
+        from ..methods import make_policy
+
+        schedule = {k: getattr(self, k) for k in self.SCHEDULE if getattr(self, k) is not None}
+        if self.method == "full":
+            return make_policy("full")
+        return make_policy(self.method, self.budget, **schedule, **self.options)
 
     @property
     def compresses(self) -> bool:
         return self.method != "full"
 
+    def for_model(self, hf_config) -> "SieveSettings":
+        """These settings for the model of ``hf_config`` (its HF config).  In kvsieve's engine a
+        scorer reads facts of the model in ``attach``, which vLLM's model cannot answer: Expected
+        Attention's RoPE frequencies (the ``inv_freq`` buffer, which vLLM's rotary embedding does
+        not keep) and the timestamp methods' alpha of the model's family (``family="auto"``,
+        ``config.model_type``).  Unless set in ``options``, they are given here from the config:
+        ``rope_theta`` of the model's standard RoPE (a scaled RoPE is refused) and ``family``."""
+        import dataclasses
 
-def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomputed: bool = False) -> int | None:
+        from ..methods import SCORERS
+        from ..methods._timestamps import ALPHA_BY_FAMILY, MODEL_FAMILY
+
+        base = SCORERS.get(self.method.split(":", 1)[-1])
+        fields = set() if base is None else {f.name for f in dataclasses.fields(base)}
+        options = dict(self.options)
+        if "rope_theta" in fields and "rope_theta" not in options:
+            rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+            if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+                raise ValueError(f"kvsieve: {self.method} needs the model's RoPE base, and the model's RoPE is "
+                                 f"{rope}; set options={{'rope_theta': BASE}} for standard RoPE")
+            options["rope_theta"] = float(rope["rope_theta"])
+        if "family" in fields and options.get("family", MODEL_FAMILY) == MODEL_FAMILY and options.get("alpha") is None:
+            family = getattr(hf_config, "model_type", None)
+            if family not in ALPHA_BY_FAMILY:
+                raise ValueError(f"kvsieve: {self.method} takes its alpha from the model's family, and "
+                                 f"{family!r} is none of {sorted(ALPHA_BY_FAMILY)}; set options={{'alpha': A}}")
+            options["family"] = family
+        return self if options == self.options else dataclasses.replace(self, options=options)
+
+    def query_window(self, max_model_len: int = 0) -> int:
+        """Recent queries per (request, layer) the worker records: what the scorer scores with
+        (``Needs.query_window``; TOVA's last query), every query of a request (``max_model_len``)
+        for a scorer that observes every query's attention (``store.observe_since``), and at
+        least ``record_queries``."""
+        scorer = self.policy.scorer
+        if scorer is None:
+            return self.record_queries
+        needs = scorer.needs
+        every = max_model_len if needs.observes and not needs.observes_last_only else 0
+        return max(self.record_queries, needs.query_window, every, 1 if needs.observes else 0)
+
+
+def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomputed: bool = False,
+               prompt_len: int = 0) -> int | None:
     """Tokens every (layer, kv head) of a request keeps when it is compressed now, or None when it
     is not.  Called by the scheduler before each step, for a request whose KV holds all its tokens
     but the last sampled one (its prompt done): ``kv_len`` tokens in its blocks, ``decode_steps``
-    tokens generated into its KV since the prompt.  kvsieve's schedule (``policy.Schedule``):
-    after the prompt when ``compress_prefill``, then every ``interval`` decode steps, down to the
-    budget when over it.  The count is known here, before any score is computed, so the scheduler
-    frees the tail blocks itself and the worker only fills the kept slots.  ``recomputed``: the
-    request was preempted and has just recomputed its prompt and outputs at full length, which
-    an unpreempted request never holds: it is compressed at once."""
-    if not settings.compresses or settings.budget is None or kv_len <= settings.budget:
+    tokens generated into its KV since the prompt of ``prompt_len`` tokens.  kvsieve's schedule
+    (``schedule.Schedule``): after the prompt when ``compress_prefill``, then every ``interval``
+    decode steps, down to the budget (+ the prompt with ``protect_prompt``: ``Schedule.bound``)
+    when over it.  The count is known here, before any score is computed, so the scheduler frees
+    the tail blocks itself and the worker only fills the kept slots.  ``recomputed``: the request
+    was preempted and has just recomputed its prompt and outputs at full length, which an
+    unpreempted request never holds: it is compressed at once."""
+    if not settings.compresses:
         return None
-    due = (recomputed or (decode_steps == 0 and settings.compress_prefill)
-           or (decode_steps > 0 and decode_steps % settings.interval == 0))
-    return settings.budget if due else None
+    policy = settings.policy
+    bound = policy.budget + (prompt_len if policy.protect_prompt else 0)
+    if kv_len <= bound:
+        return None
+    due = (recomputed or (decode_steps == 0 and policy.compress_prefill)
+           or (decode_steps > 0 and decode_steps % policy.interval == 0))
+    return bound if due else None
 
 
 @dataclass(frozen=True)
@@ -88,7 +204,8 @@ class Compaction:
     before the forward pass writes the new one, so no block is allocated while the cut ones are
     still held).  The scheduler has already cut the request's block list to ``kept_blocks`` and
     frees the rest once this step has run.  ``logical_len``: the request's ``num_computed_tokens``
-    (its positions run 0 .. logical_len - 1)."""
+    (its positions run 0 .. logical_len - 1); ``prompt_len``: its prompt's tokens (a protected
+    prompt is kept outside the budget)."""
 
     req_id: str
     block_ids: tuple[int, ...]
@@ -96,6 +213,7 @@ class Compaction:
     keep: int
     kept_blocks: int
     logical_len: int
+    prompt_len: int = 0
 
 
 @dataclass

@@ -177,7 +177,8 @@ class SieveScheduler(Scheduler):
             recomputed = request.num_preemptions > self.sieve_preemptions.get(req_id, 0)
             if recomputed:
                 self.sieve_preemptions[req_id] = request.num_preemptions
-            keep = keep_count(self.sieve, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed)
+            keep = keep_count(self.sieve, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
+                              prompt_len=request.num_prompt_tokens)
             if keep is None or keep >= kv_len:
                 continue
             block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
@@ -186,7 +187,8 @@ class SieveScheduler(Scheduler):
             held = self.kv_cache_manager.shrink(req_id, keep + 1)
             kept_blocks = len(block_ids) - len(held[0])
             self.sieve_offsets[req_id] = logical - keep
-            pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical), held, old_offset)
+            pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical,
+                                                 request.num_prompt_tokens), held, old_offset)
         return pending
 
     def _settle(self, pending, output: SchedulerOutput) -> list[Compaction]:

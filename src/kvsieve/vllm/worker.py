@@ -8,8 +8,8 @@ platform uses while Triton has no CPU backend).
 Per step (docs/vllm-design.md, "The worker"):
 
 1. ``execute_model``: forget finished and resumed requests; apply each ``Compaction`` of the plan:
-   choose every (layer, kv head)'s kept tokens, move them into the request's first slots
-   (``paged.compact_``), cut the request's block-table row to the kept blocks (the scheduler has
+   kvsieve's scorer and schedule choose every (layer, kv head)'s kept tokens over the request's
+   paged KV, which move into the request's first slots (``store.compress_request``), then cut the request's block-table row to the kept blocks (the scheduler has
    cut its own list the same way, so this step's new blocks append after them);
 2. vLLM's ``_prepare_inputs`` computes positions, slot mapping and sequence lengths from the logical
    ``num_computed_tokens``; ``_prepare_inputs`` here then subtracts each request's offset from the
@@ -20,9 +20,9 @@ Per step (docs/vllm-design.md, "The worker"):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -30,43 +30,22 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
-from .paged import CpuLayout, compact_
+from .paged import CpuLayout
 from .plan import Compaction, SieveSettings
 from .scheduler import settings_of
+from .store import RequestState, compress_request
 
 logger = init_logger(__name__)
 _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
 
 
-@dataclass
-class _Positions:
-    """A request's logical position of every KV slot, per (layer, kv head), stored compactly: the
-    ``kept`` first slots' positions ``pos`` [L, H_kv, kept] from the last compaction, then slots
-    appended since, whose positions run on from ``next_pos`` (they arrive in order)."""
-
-    pos: torch.Tensor | None = None
-    next_pos: int = 0
-
-    def of(self, kv_len: int, layers: int, heads: int) -> torch.Tensor:
-        kept = 0 if self.pos is None else self.pos.shape[-1]
-        tail = torch.arange(self.next_pos, self.next_pos + kv_len - kept).expand(layers, heads, -1)
-        return tail if self.pos is None else torch.cat([self.pos, tail], dim=-1)
-
-
-def streaming_keep(positions: torch.Tensor, keep: int, sinks: int) -> torch.Tensor:
-    """StreamingLLM's kept slots [L, H, keep], in slot order: the ``sinks`` oldest positions and the
-    ``keep - sinks`` newest."""
-    order = positions.argsort(dim=-1)
-    chosen = torch.cat([order[..., :sinks], order[..., order.shape[-1] - (keep - sinks):]], dim=-1)
-    return chosen.sort(dim=-1).values
-
-
 class SieveCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
-        self.sieve: SieveSettings = settings_of(vllm_config)
+        self.sieve: SieveSettings = settings_of(vllm_config).for_model(vllm_config.model_config.hf_config)
+        self.sieve_policy = self.sieve.policy  # kvsieve's Policy: its scorer chooses the kept tokens
         self.sieve_layout = CpuLayout()
-        self.sieve_positions: dict[str, _Positions] = {}
+        self.sieve_requests: dict[str, RequestState] = {}
         self.sieve_offsets: dict[str, int] = {}
         self.sieve_recorder: QueryRecorder | None = None
         self.sieve_stats = {"compactions": 0}
@@ -90,9 +69,17 @@ class SieveCPUModelRunner(CPUModelRunner):
         if len(isas) != 1:
             raise ValueError(f"kvsieve: attention layers use several CPU kernels {sorted(map(str, isas))}")
         self.sieve_layout = CpuLayout.for_isa(isas.pop())
-        window = self.sieve.record_queries
+        window = self.sieve.query_window(self.model_config.max_model_len)
         if window:
             first = self.compilation_config.static_forward_context[names[0]]
+            need = len(names) * self.max_num_reqs * window * first.num_heads * first.head_size \
+                * self.model_config.dtype.itemsize
+            free = psutil.virtual_memory().available
+            logger.info("kvsieve: recording %d queries per request and layer: %.2f GiB", window, need / 2**30)
+            if need > free // 2:
+                raise ValueError(f"kvsieve: {self.sieve.method} records {window} queries per request and layer, "
+                                 f"{need / 2**30:.1f} GiB for max_num_seqs={self.max_num_reqs}, more than half the "
+                                 f"{free / 2**30:.1f} GiB free; lower max_num_seqs or max_model_len")
             self.sieve_recorder = QueryRecorder(names, self.max_num_reqs, window, first.num_heads,
                                                 first.head_size, self.model_config.dtype)
             for name in names:
@@ -106,24 +93,23 @@ class SieveCPUModelRunner(CPUModelRunner):
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         gone |= {r.req_id for r in scheduler_output.scheduled_new_reqs}
         for req_id in gone:
-            self.sieve_positions.pop(req_id, None)
+            self.sieve_requests.pop(req_id, None)
             if self.sieve_recorder is not None:
                 self.sieve_recorder.forget(req_id)
 
     def _sieve_compact(self, c: Compaction) -> None:
-        names, caches = self._sieve_layers()
-        heads = caches[0].shape[1]
-        state = self.sieve_positions.setdefault(c.req_id, _Positions())
-        positions = state.of(c.kv_len, len(caches), heads)  # [L, H, kv_len]
-        keep = streaming_keep(positions, c.keep, self.sieve.sinks)  # [L, H, keep]
-        block_ids = torch.tensor(c.block_ids, dtype=torch.long)
-        for layer, cache in enumerate(caches):
-            compact_(self.sieve_layout, cache, block_ids, keep[layer])
-        state.pos, state.next_pos = positions.gather(-1, keep), c.logical_len
-        # the request's block-table row: the kept blocks (the scheduler cut its list the same way)
+        """Compress request ``c.req_id`` with the served method (``store.compress_request``: kvsieve's
+        scorer and schedule over its paged KV), then cut its block-table row to the kept blocks."""
         req_state = self.requests[c.req_id]
         if list(req_state.block_ids[0]) != list(c.block_ids):
             raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
+        names, caches = self._sieve_layers()
+        context = self.compilation_config.static_forward_context
+        recorder = self.sieve_recorder
+        compress_request(self.sieve_policy, self.sieve_layout, caches, [float(context[n].impl.scale) for n in names],
+                         self.sieve_requests.setdefault(c.req_id, RequestState()), c,
+                         lambda layer: None if recorder is None else recorder.recent(layer, c.req_id))
+        # the request's block-table row: the kept blocks (the scheduler cut its list the same way)
         for ids in req_state.block_ids:
             del ids[c.kept_blocks:]
         row = self.input_batch.req_id_to_index.get(c.req_id)

@@ -1,0 +1,172 @@
+"""kvsieve's methods served inside a real vLLM engine (bundled SmolLM2-135M, fp32, eager, greedy).
+
+* exactness: with a budget at least the sequence length nothing is evicted, and every served
+  method gives plain vLLM's tokens (the recorder, the settings and the worker's path in place);
+* two engines: at a budget below the length, vLLM + kvsieve gives kvsieve's own engine's tokens
+  (``scripts/vllm_two_engines.py``, run small);
+* a compaction right after a preemption's recompute.
+
+Needs the vLLM environment; skipped where vLLM is not installed:
+
+    PYTHONPATH=src /work/vllm-env/bin/python -m pytest -q tests/test_vllm_methods.py          # default
+    PYTHONPATH=src /work/vllm-env/bin/python -m pytest -q -m slow tests/test_vllm_methods.py  # the rest
+
+Each engine starts in about 30 s on a quiet machine (2 cores), hence few default tests.
+"""
+
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is not None:  # set before vLLM reads its environment
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+vllm = pytest.importorskip("vllm")
+
+from kvsieve.vllm import UnsupportedVLLM, check_vllm, engine_kwargs  # noqa: E402
+
+try:
+    check_vllm()
+except UnsupportedVLLM as err:  # pragma: no cover
+    pytest.skip(str(err), allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The history of the printing press begins", "In mathematics, a prime number is"]
+NEW_TOKENS, BLOCK = 48, 32
+STATS = "<calibrated>"  # triattention's statistics: the tri_stats fixture's (calibrated on the bundled model)
+# each served method with the settings it needs on the bundled model (None: skipped, why)
+SERVED = {
+    "streaming": {},
+    "knorm": {"options": {"skip_layers": 0}},
+    "keydiff": {},
+    "random": {},
+    "expected": {},
+    "snapkv": {"options": {"window": 8}},
+    "rkv": {},
+    "tova": {},
+    "h2o": {},
+    "lazy": {},
+    "raas": {},
+    "ams:expected": {},
+    "triattention": {"options": {"stats": STATS}},  # its defaults: per_head across layers, the prompt pinned
+}
+DEFAULT = {"h2o"}  # records every query of a request: the largest ring
+
+
+def _model_dir():
+    from kvsieve.models import ModelNotInstalledError, ensure_bundled
+
+    try:
+        return str(ensure_bundled("smollm2-135m"))
+    except ModelNotInstalledError as err:
+        pytest.skip(str(err))
+
+
+def _greedy(kvsieve: dict | None, n: int = NEW_TOKENS, **engine):
+    """Greedy tokens of an in-process engine (kvsieve's classes with ``kvsieve`` settings), and its scheduler's stats."""
+    from vllm import LLM, SamplingParams
+
+    extra = engine_kwargs(**kvsieve) if kvsieve else {"enable_prefix_caching": False}
+    llm = LLM(model=_model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=512,
+              max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0, **{**extra, **engine})
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    stats = dict(getattr(llm.llm_engine.engine_core.engine_core.scheduler, "sieve_stats", {}))
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
+@pytest.fixture(scope="module")
+def tri_stats(tmp_path_factory):
+    """TriAttention statistics of the bundled model from a few GSM8K-like lines (seconds), or the
+    file named by KVSIEVE_TRIATTENTION_STATS."""
+    if os.environ.get("KVSIEVE_TRIATTENTION_STATS"):
+        return os.environ["KVSIEVE_TRIATTENTION_STATS"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvsieve.analysis.qk import calibrate
+
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype="float32")
+    tok = AutoTokenizer.from_pretrained(_model_dir())
+    texts = ["Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether. #### 72",
+             "Weng earns 12/60 = $0.2 per minute. Working 50 minutes, she earned 0.2 x 50 = $10. #### 10"]
+    path = tmp_path_factory.mktemp("tri") / "smol.pt"
+    calibrate(model, tok, texts * 4, tokens=256, chunk=128).save(path)
+    return str(path)
+
+
+def _settings(method: str, request) -> dict:
+    """The method's settings of ``SERVED``, its statistics file filled in."""
+    settings = SERVED[method]
+    if settings.get("options", {}).get("stats") == STATS:
+        settings = {**settings, "options": {**settings["options"], "stats": request.getfixturevalue("tri_stats")}}
+    return settings
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _greedy(None)[0]
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in DEFAULT else pytest.mark.slow) for m in SERVED])
+def test_a_budget_above_the_length_gives_plain_vllms_tokens(plain, method, request):
+    tokens, stats = _greedy({"method": method, "budget": 400, "interval": 8, **_settings(method, request)})
+    assert stats["compactions"] == 0  # nothing over the budget: the served path must change nothing
+    assert tokens == plain
+
+
+@pytest.mark.slow
+def test_two_engines_agree_beyond_the_first_compaction(tmp_path):
+    """``scripts/vllm_two_engines.py`` on 3 GSM8K prompts: on every row where the two engines' full
+    caches agree, the deterministic methods (StreamingLLM's positions, Knorm's key norms) and TOVA
+    give kvsieve's tokens past the first compaction, and StreamingLLM's to the end."""
+    out = tmp_path / "two.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_two_engines.py"), "--methods",
+                          "streaming,knorm,tova", "--prompts", "3", "--new-tokens", "48", "--out", str(out)],
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
+    assert agree, "no row where plain vLLM and kvsieve's full agree: nothing to compare against"
+    for method, row in result["methods"].items():
+        assert row["compactions"] > 0, method
+        for i in agree:
+            at = row["first_compaction"][i]
+            assert at is not None and row["first_divergence"][i] > at, (method, i, row)
+    assert all(result["methods"]["streaming"]["identical"][i] for i in agree)
+
+
+@pytest.mark.slow
+def test_a_compaction_right_after_a_preemptions_recompute():
+    """A pool too small for every request even compressed: vLLM preempts some; each recomputes its
+    prompt and outputs at full length and is compressed at once by TOVA (which scores with the
+    recomputed request's recorded last query), then finishes with every token."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=_model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=20 * BLOCK,
+              kv_cache_memory_bytes=21 * 30 * 3 * 64 * 2 * 4 * BLOCK, seed=0,
+              **engine_kwargs("tova", budget=64, interval=16))
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    for i in range(9):
+        engine.add_request(f"p{i}", PROMPTS[i % 2], SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True))
+    finished, preempted, answered = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = len(out.outputs[0].token_ids)
+        preempted = max(preempted, sum(r.num_preemptions for r in scheduler.requests.values()))
+        answered = max(answered, sum(scheduler.sieve_preemptions.values()))
+    free, total = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
+    engine.engine_core.shutdown()
+    assert preempted > 0 and answered > 0  # a recompute was compressed at once
+    assert finished == {f"p{i}": 160 for i in range(9)}
+    assert free == total

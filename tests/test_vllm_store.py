@@ -1,0 +1,174 @@
+"""The vLLM store adapter (``kvsieve.vllm.store``) against kvsieve's own store: on the same keys,
+values, positions and queries, compressing one request's paged KV keeps, in every (layer, kv
+head), the tokens that ``SieveCache`` keeps when kvsieve's schedule compresses it
+(``schedule.compress_layer``), and moves their K/V into the request's first slots.  The reference
+is fed as kvsieve's engine feeds it: a prompt of ``PROMPT`` tokens in one pass, then one token per
+decode step, each pass recording its queries and (for scorers that observe) handing ``observe``
+its attention rows; the adapter sees only the KV and the ring of recorded queries, and rebuilds
+the observed state at compaction.  Plain torch, no vLLM: runs in the main environment."""
+
+import pytest
+import torch
+
+from kvsieve.attention import attention_probs, visible
+from kvsieve.cache import DEAD_POS, SieveCache
+from kvsieve.schedule import compress_layer, keep_set, protected_scores, scorer_fields
+from kvsieve.vllm.paged import CpuLayout, gather, write_
+from kvsieve.vllm.plan import Compaction, SieveSettings
+from kvsieve.vllm.store import RequestState, compress_request
+
+L, H, HQ, D, BLOCK = 2, 2, 4, 8, 4
+S, PROMPT, BUDGET = 40, 30, 24
+BLOCKS = [9, 2, 7, 0, 3, 11, 5, 1, 4, 10]  # the request's blocks, out of order: S / BLOCK of them
+SCALING = D ** -0.5
+
+CASES = {
+    "streaming": {},
+    "knorm": {"options": {"skip_layers": 0}},
+    "keydiff": {},
+    "snapkv": {"options": {"window": 8}},
+    "rkv": {"options": {"window": 8}, "interval": 8},
+    "expected": {"options": {"rope_theta": 10000.0, "hs_buffer": 16}},
+    "ams:expected": {"options": {"hs_buffer": 16, "rope_theta": 10000.0, "mass_window": 8}, "recent": 8},
+    "streaming-protected": {"method": "streaming", "protect_prompt": True, "budget": 8},
+    "tova": {},
+    "h2o": {},
+    "lazy": {"options": {"window": 4, "alpha": 0.02}},
+    "raas": {"options": {"alpha": 0.02}},
+}
+
+
+def _request(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(L, H, S, D, generator=g), torch.randn(L, H, S, D, generator=g)
+    queries = torch.randn(L, S, HQ, D, generator=g)  # every query row of the request, in position order
+    return keys, values, queries
+
+
+def _paged(keys, values):
+    caches = [torch.zeros(12, H, BLOCK, 2 * D) for _ in range(L)]
+    block_ids = torch.tensor(BLOCKS)
+    for layer, cache in enumerate(caches):
+        write_(CpuLayout(), cache, block_ids, keys[layer], values[layer])
+    return caches
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_paged_request_keeps_what_kvsieves_store_keeps(case):
+    config = {"method": case, "budget": BUDGET, **CASES[case]}
+    settings = SieveSettings.from_config(config)
+    policy = settings.policy
+    window = settings.query_window()
+    keys, values, queries = _request(0)
+    prompt = PROMPT
+    keep = BUDGET if not policy.protect_prompt else prompt + policy.budget
+
+    # kvsieve's store, fed as kvsieve's engine feeds it, then compressed by kvsieve's schedule
+    cache = SieveCache(L, **scorer_fields(policy.scorer))
+    seen = torch.tensor([S])
+    for start, end in [(0, PROMPT)] + [(p, p + 1) for p in range(PROMPT, S)]:  # the prompt, then decode steps
+        qpos = torch.arange(start, end)[None]
+        cache.begin_step(qpos)
+        for layer_idx in range(L):
+            layer = cache.layers[layer_idx]
+            layer.update(keys[layer_idx, :, start:end][None], values[layer_idx, :, start:end][None], qpos)
+            q = queries[layer_idx, start:end].permute(1, 0, 2)[None]  # [1, H_q, T, D]
+            layer.begin_attention(q, qpos, SCALING, None)
+            if policy.scorer.needs.observes:
+                probs = attention_probs(q, layer.keys, visible(layer.meta["pos"], qpos), SCALING)
+                policy.scorer.observe(layer.view(), probs, qpos)
+    ref_scores = []  # each layer's scores before the compression, by position: [H, S]
+    for layer_idx in range(L):
+        layer, prompt_len = cache.layers[layer_idx], torch.tensor([prompt]) if policy.protect_prompt else None
+        if policy.scorer.select.__qualname__.startswith("Scorer."):  # scoring changes no state
+            scores = protected_scores(layer, policy, seen, prompt_len)[0]  # [H, cap]; slots hold positions 0..S-1
+            ref_scores.append(scores[:, :S])
+        else:  # AMS's select updates its credit: scored once, by the compression itself
+            ref_scores.append(None)
+        compress_layer(layer, policy, policy.budget, seen, prompt_len, prompt if policy.protect_prompt else 0)
+
+    # the same request in vLLM's blocks, compressed by the adapter
+    caches = _paged(keys, values)
+    state = RequestState()
+    c = Compaction("r", tuple(BLOCKS), kv_len=S, keep=keep, kept_blocks=len(BLOCKS), logical_len=S, prompt_len=prompt)
+    ring = settings.query_window(max_model_len=S)  # what the worker records per request and layer
+    compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
+                     lambda layer: queries[layer, S - min(ring, S):] if ring else None)
+
+    for layer_idx in range(L):
+        ref = cache.layers[layer_idx]
+        k, v = gather(CpuLayout(), caches[layer_idx], torch.tensor(BLOCKS), keep)  # the request's first slots
+        for h in range(H):
+            ours = state.pos[layer_idx, h]
+            assert torch.equal(k[h], keys[layer_idx, h, ours]) and torch.equal(v[h], values[layer_idx, h, ours])
+            theirs = ref.meta["pos"][0, h][ref.meta["pos"][0, h] != DEAD_POS].sort().values
+            if ours.tolist() != theirs.tolist():  # only a tie may be broken otherwise: the same kept scores
+                assert ref_scores[layer_idx] is not None, (case, layer_idx, h)
+                row = ref_scores[layer_idx][h]
+                assert row[ours].sort().values.tolist() == row[theirs].sort().values.tolist(), (case, layer_idx, h)
+    assert state.next_pos == S and state.pos.shape == (L, H, keep)
+
+
+def test_keep_set_refuses_a_select_that_keeps_uneven_counts():
+    """A scorer's own ``select`` that keeps different counts per head cannot share a block table."""
+    settings = SieveSettings.from_config({"method": "streaming", "budget": BUDGET})
+    policy = settings.policy
+    keys, values, _ = _request(1)
+    cache = SieveCache(1)
+    cache.begin_step(torch.arange(S)[None])
+    layer = cache.layers[0]
+    layer.update(keys[0][None], values[0][None], torch.arange(S)[None])
+
+    class Uneven(type(policy.scorer)):
+        def select(self, layer, scores, budget, seen_tokens):
+            keep = torch.zeros_like(scores, dtype=torch.bool)
+            keep[:, 0, :BUDGET] = True
+            keep[:, 1, :BUDGET - 1] = True
+            return keep, BUDGET
+
+    policy.scorer = Uneven()
+    with pytest.raises(ValueError, match=r"kept \[\[24, 23\]\] tokens per head, not 24"):
+        keep_set(layer.view(), policy, BUDGET, torch.tensor([S]))
+
+
+@pytest.mark.parametrize("prompt", [10, 30])
+def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, prompt):
+    """TriAttention's defaults (issue 51): each kv head keeps the same tokens in every layer, by the
+    mean over layers of each layer's scores (``per_head``), and the prompt is pinned inside the budget
+    (its first BUDGET tokens when longer, prompt 30 > 24).  The adapter keeps, in every (layer, kv
+    head), the tokens kvsieve's own schedule keeps (``Schedule.compress``) on the same keys."""
+    from kvsieve.methods.triattention import QueryStats
+    from kvsieve.schedule import Schedule
+
+    g = torch.Generator().manual_seed(3)
+    q_mean = torch.randn(L, HQ, D // 2, 2, generator=g)
+    stats = QueryStats(q_mean=q_mean, q_abs_mean=q_mean.norm(dim=-1) * 1.5,
+                       inv_freq=10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float64) / D), attention_scaling=1.0,
+                       num_kv_heads=H, model_name="synthetic", fingerprint={}, settings={})
+    stats.save(tmp_path / "stats.pt")
+    settings = SieveSettings.from_config({"method": "triattention", "budget": BUDGET,
+                                          "options": {"stats": str(tmp_path / "stats.pt")}})
+    policy = settings.policy
+    assert policy.pin_prompt and policy.scorer.needs.cross_layer  # the defaults under test
+    keys, values, _ = _request(1)
+
+    cache = SieveCache(L, **scorer_fields(policy.scorer))  # kvsieve's store, compressed by its schedule
+    qpos = torch.arange(S)[None]
+    cache.begin_step(qpos)
+    for layer_idx in range(L):
+        cache.layers[layer_idx].update(keys[layer_idx][None], values[layer_idx][None], qpos)
+    schedule = Schedule(policy, cache, horizon=S)
+    schedule.record_prompt(torch.tensor([prompt]))
+    cache.set_seen(torch.tensor([S]))
+    assert schedule.compress()
+
+    caches, state = _paged(keys, values), RequestState()
+    c = Compaction("r", tuple(BLOCKS), kv_len=S, keep=BUDGET, kept_blocks=len(BLOCKS), logical_len=S, prompt_len=prompt)
+    compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c, lambda layer: None)
+    for layer_idx in range(L):
+        ref = cache.layers[layer_idx].meta["pos"][0]  # [H, cap]
+        for h in range(H):
+            theirs = ref[h][ref[h] != DEAD_POS].sort().values.tolist()
+            assert state.pos[layer_idx, h].tolist() == theirs, (prompt, layer_idx, h)
+            assert set(range(min(prompt, BUDGET))) <= set(theirs)  # the pinned prompt stays
+    assert torch.equal(state.pos[0], state.pos[1])  # the same tokens in every layer
