@@ -54,6 +54,9 @@ def test_keep_count_follows_kvsieves_schedule():
     ({"method": "skipkv", "budget": 64}, "per-token host hook"),
     ({"method": "caote:tova", "budget": 64}, "block by block"),
     ({"method": "snapkv", "budget": 64, "record_queries": -1}, "record_queries"),
+    ({"method": "snapkv", "budget": 64, "record_queries": "8"}, "record_queries must be an integer >= 0, got '8'"),
+    ({"method": "snapkv", "budget": 64, "options": ["window", 8]}, "options must be a mapping"),
+    ({"method": "streaming", "budget": 64, "sinks": "four"}, "sinks= must be an integer, got 'four'"),
 ])
 def test_bad_settings_are_refused_in_one_line(config, why):
     with pytest.raises(ValueError, match=why) as err:

@@ -98,8 +98,11 @@ class SieveSettings:
             raise ValueError(f"kvsieve: unknown vLLM setting(s) {sorted(unknown)}; known: "
                              f"{sorted(cls.__dataclass_fields__)}")
         settings = cls(**{k: v for k, v in config.items() if v is not None})
-        if settings.record_queries < 0:
-            raise ValueError(f"kvsieve: record_queries must be >= 0, got {settings.record_queries}")
+        if not isinstance(settings.record_queries, int) or isinstance(settings.record_queries, bool) \
+                or settings.record_queries < 0:
+            raise ValueError(f"kvsieve: record_queries must be an integer >= 0, got {settings.record_queries!r}")
+        if not isinstance(settings.options, dict):
+            raise ValueError(f"kvsieve: options must be a mapping of the method's settings, got {settings.options!r}")
         try:
             policy = settings.policy
         except (TypeError, ValueError) as err:
