@@ -193,8 +193,8 @@ report_stage() {  # stage dir, the dirs whose cells join it (space-separated, or
   local dir=$1 joined=$2 join=()
   shift 2
   [[ -d $dir ]] || return 0
-  for j in $joined; do  # a joined stage that has not written a row yet (stage 5 before it runs) is left out
-    compgen -G "$j/results*.jsonl" > /dev/null && join+=(--join "$j")
+  for j in $joined; do  # a joined stage that has not written a row yet (a stage just started) is left out
+    compgen -G "$j/results*.jsonl" > /dev/null && [[ -n $(cat "$j"/results*.jsonl | head -c 1) ]] && join+=(--join "$j")
   done
   "$PYTHON" -m kvsieve.eval report "$dir" "${join[@]}" "$@"
 }
