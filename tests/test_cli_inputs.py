@@ -6,22 +6,12 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
+from cli_support import runner, usage_error
 from kvsieve.cli import app
 from kvsieve.eval.store import writer_lock
 
-runner = CliRunner()
 GSM = [{"question": "What is 2 + 3?", "answer": "#### 5"}, {"question": "What is 4 + 4?", "answer": "#### 8"}]
-
-
-def error_of(*args) -> str:
-    """The usage error of ``kvsieve ARGS`` as one line (rich boxes and wraps it), checked to be one."""
-    result = runner.invoke(app, list(args), env={"COLUMNS": "400"})
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    text = " ".join(result.output.replace("│", " ").split())
-    return text[text.index("Invalid value"):].split(" ╰")[0]
 
 
 @pytest.fixture
@@ -60,15 +50,15 @@ def eval_args(data, out, *extra):
     (["--model", "./no/such/dir"], "Invalid value: model directory './no/such/dir' does not exist"),
 ])
 def test_generate_refuses_bad_settings_in_one_line_naming_the_flag(args, expected):
-    assert error_of("generate", *args, "hi").startswith(expected)
+    assert usage_error("generate", *args, "hi").startswith(expected)
 
 
 def test_eval_names_a_setting_by_its_flag_set_or_budgets(gsm, tmp_path):
-    assert error_of(*eval_args(gsm, tmp_path / "a", "--methods", "tova", "--set", "tova.sinks=1.5")) == (
+    assert usage_error(*eval_args(gsm, tmp_path / "a", "--methods", "tova", "--set", "tova.sinks=1.5")) == (
         "Invalid value: --set sinks must be an integer, got 1.5 (float)")
-    assert error_of(*eval_args(gsm, tmp_path / "a", "--prefill-chunk", "0")) == (
+    assert usage_error(*eval_args(gsm, tmp_path / "a", "--prefill-chunk", "0")) == (
         "Invalid value: --prefill-chunk must be >= 1, got 0")  # before any model loads
-    assert error_of(*eval_args(gsm, tmp_path / "a", "--methods", "streaming", "--budgets", "3")) == (
+    assert usage_error(*eval_args(gsm, tmp_path / "a", "--methods", "streaming", "--budgets", "3")) == (
         "Invalid value: budget 3 is smaller than the protected tokens: sinks 4 + recent 0; raise --budgets to at "
         "least 4 or lower sinks/recent")
 
@@ -77,14 +67,14 @@ def test_eval_names_a_setting_by_its_flag_set_or_budgets(gsm, tmp_path):
 def test_eval_says_an_empty_data_file_has_nothing_to_run(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert error_of(*eval_args(empty, tmp_path / "out")) == (
+    assert usage_error(*eval_args(empty, tmp_path / "out")) == (
         f"Invalid value: {empty} holds no rows of data set 'gsm8k': nothing to run")
     assert not (tmp_path / "out").exists()  # no empty run written
 
 
 def test_eval_says_a_shard_without_samples_has_nothing_to_run(gsm, tmp_path):
     """It used to write an empty run and print an empty table."""
-    assert error_of(*eval_args(gsm, tmp_path / "out", "--shard", "3/4")) == (
+    assert usage_error(*eval_args(gsm, tmp_path / "out", "--shard", "3/4")) == (
         "Invalid value: --shard 3/4 holds none of the 2 samples of gsm8k: nothing to run; use at most 2 shards")
     assert not (tmp_path / "out").exists()  # no empty run written
 
@@ -93,7 +83,7 @@ def test_eval_names_the_file_and_line_of_a_byte_that_is_not_utf8(tmp_path):
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(json.dumps(GSM[0]).encode() + b"\n" + '{"question": "caf\xe9?", "answer": "#### 3"}\n'
                        .encode("latin-1"))
-    assert error_of(*eval_args(latin1, tmp_path / "out")) == (
+    assert usage_error(*eval_args(latin1, tmp_path / "out")) == (
         f"Invalid value: {latin1}:2: not UTF-8 text (byte 0xe9 at column 18); save the file as UTF-8")
 
 
@@ -101,7 +91,7 @@ def test_eval_refuses_a_bad_results_line_ending_in_a_newline(gsm, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.jsonl").write_text('{"id": broken\n')
-    assert error_of(*eval_args(gsm, out)) == (
+    assert usage_error(*eval_args(gsm, out)) == (
         f"Invalid value: {out}/results.jsonl:1: not a JSON row (Expecting value); remove or fix that line")
 
 
@@ -109,7 +99,7 @@ def test_a_second_eval_on_the_same_out_is_refused_while_the_first_writes(gsm, tm
     out = tmp_path / "out"
     out.mkdir()
     with writer_lock(out / "results.jsonl"):
-        assert error_of(*eval_args(gsm, out)) == (
+        assert usage_error(*eval_args(gsm, out)) == (
             f"Invalid value: {out}/results.jsonl is being written by another process (a kvsieve eval still "
             "running?); wait for it to finish or stop it, or use another --out / --shard")
 
@@ -137,7 +127,7 @@ def test_resume_refuses_only_a_real_change_of_settings(gsm, tmp_path):
     result = runner.invoke(app, eval_args(gsm, out, "--methods", "tova", "--budgets", "32", "--set", "tova.sinks=0"))
     assert result.exit_code == 0, result.output
     assert (out / "run.json").read_text() == before  # the first record stays
-    assert error_of(*eval_args(gsm, out, "--methods", "tova", "--budgets", "32", "--set", "tova.sinks=2")) == (
+    assert usage_error(*eval_args(gsm, out, "--methods", "tova", "--budgets", "32", "--set", "tova.sinks=2")) == (
         f"Invalid value: {out} holds results produced under other settings (settings of tova: {{}} before, "
         "{'sinks': 2} now); use another --out directory or the same settings")
 

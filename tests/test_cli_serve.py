@@ -8,21 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
+from cli_support import runner, usage_error
 from kvsieve.cli import app
 from kvsieve.vllm.serve import vllm_argv
 
-runner = CliRunner()
-
 
 def error_of(*args) -> str:
-    """The usage error of ``kvsieve serve ARGS`` as one line (rich boxes and wraps it)."""
-    result = runner.invoke(app, ["serve", *args], env={"COLUMNS": "400"})
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    text = " ".join(result.output.replace("│", " ").split())
-    return text[text.index("Invalid value"):].split(" ╰")[0]
+    """The usage error of ``kvsieve serve ARGS`` as one line."""
+    return usage_error("serve", *args)
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -10,25 +10,12 @@ Two engine start-ups make most of its time: 3 min 8 s at a load average of 5-9 o
 26 s at 17.
 """
 
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
-if importlib.util.find_spec("vllm") is not None:  # set before vLLM reads its environment
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-pytest.importorskip("vllm")
+from vllm_support import load_script, model_dir, require_vllm
 
-from kvsieve.vllm import UnsupportedVLLM, check_vllm  # noqa: E402
+require_vllm()
 
-try:
-    check_vllm()
-except UnsupportedVLLM as err:  # pragma: no cover
-    pytest.skip(str(err), allow_module_level=True)
-
-ROOT = Path(__file__).resolve().parent.parent
 # 4 requests of ~10 prompt tokens + 96 new ones need 4 blocks of 32 each at their end: 16 blocks for
 # plain vLLM.  At budget 32, interval 8, a request holds at most ceil(40 / 32) + 1 = 3: 12 for all 4.
 REQUESTS, NEW, BLOCKS, BLOCK, BUDGET, INTERVAL = 4, 96, 12, 32, 32, 8
@@ -36,18 +23,8 @@ REQUESTS, NEW, BLOCKS, BLOCK, BUDGET, INTERVAL = 4, 96, 12, 32, 32, 8
 
 @pytest.fixture(scope="module")
 def bench():
-    from kvsieve.models import ModelNotInstalledError, ensure_bundled
-
-    try:
-        ensure_bundled("smollm2-135m")
-    except ModelNotInstalledError as err:
-        pytest.skip(str(err))
-    spec = importlib.util.spec_from_file_location("vllm_bench", ROOT / "scripts" / "vllm_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    model_dir()  # skips where the bundled model is not installed
+    return load_script("vllm_bench")
 
 
 def test_largest_batch_counts_only_requests_never_preempted_later(bench):

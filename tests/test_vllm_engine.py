@@ -10,22 +10,15 @@ and read the scheduler's block pool.  About 3 minutes on 2 cores, most of it eng
 """
 
 import gc
-import importlib.util
-import os
 
 import pytest
 
-if importlib.util.find_spec("vllm") is not None:  # set before vLLM reads its environment
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-vllm = pytest.importorskip("vllm")
+from vllm_support import model_dir, require_vllm
 
-from kvsieve.vllm import UnsupportedVLLM, check_vllm, engine_kwargs  # noqa: E402
+require_vllm()
+
+from kvsieve.vllm import engine_kwargs  # noqa: E402
 from kvsieve.vllm.paged import blocks_for  # noqa: E402
-
-try:
-    check_vllm()
-except UnsupportedVLLM as err:  # pragma: no cover
-    pytest.skip(str(err), allow_module_level=True)
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -37,21 +30,12 @@ BLOCK = 32
 BUDGET, INTERVAL = 64, 16
 
 
-def _model_dir():
-    from kvsieve.models import ModelNotInstalledError, ensure_bundled
-
-    try:
-        return str(ensure_bundled("smollm2-135m"))
-    except ModelNotInstalledError as err:
-        pytest.skip(str(err))
-
-
 def _engine(kv_blocks: int = 64, **kvsieve):
     """An in-process LLM with ``kv_blocks`` usable blocks of ``BLOCK`` tokens; kvsieve's classes when
     ``kvsieve`` settings are given."""
     from vllm import LLM
 
-    path = _model_dir()
+    path = model_dir()
     extra = engine_kwargs(**kvsieve) if kvsieve else {"enable_prefix_caching": False}
     # fp32 SmolLM2: 30 layers x 3 kv heads x 64 dims x 2 (k, v) x 4 bytes per token
     block_bytes = 30 * 3 * 64 * 2 * 4 * BLOCK

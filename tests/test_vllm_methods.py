@@ -15,56 +15,27 @@ Each engine starts in about 30 s on a quiet machine (2 cores), hence few default
 """
 
 import gc
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("vllm") is not None:  # set before vLLM reads its environment
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-vllm = pytest.importorskip("vllm")
+from vllm_support import ROOT, load_script, model_dir, require_vllm
 
-from kvsieve.vllm import UnsupportedVLLM, check_vllm, engine_kwargs  # noqa: E402
+require_vllm()
 
-try:
-    check_vllm()
-except UnsupportedVLLM as err:  # pragma: no cover
-    pytest.skip(str(err), allow_module_level=True)
+from kvsieve.vllm import engine_kwargs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The history of the printing press begins", "In mathematics, a prime number is"]
 NEW_TOKENS, BLOCK = 48, 32
 STATS = "<calibrated>"  # triattention's statistics: the tri_stats fixture's (calibrated on the bundled model)
-# each served method with the settings it needs on the bundled model (None: skipped, why)
-SERVED = {
-    "streaming": {},
-    "knorm": {"options": {"skip_layers": 0}},
-    "keydiff": {},
-    "random": {},
-    "expected": {},
-    "snapkv": {"options": {"window": 8}},
-    "rkv": {},
-    "tova": {},
-    "h2o": {},
-    "lazy": {},
-    "raas": {},
-    "ams:expected": {},
-    "triattention": {"options": {"stats": STATS}},  # its defaults: per_head across layers, the prompt pinned
-}
+# each served method with the settings it needs on the bundled model: the two-engine script's, and the two
+# it leaves out there (random's draws depend on the store's size; triattention needs statistics)
+SERVED = {**load_script("vllm_two_engines").METHODS, "random": {},
+          "triattention": {"options": {"stats": STATS}}}  # its defaults: per_head across layers, the prompt pinned
 DEFAULT = {"h2o"}  # records every query of a request: the largest ring
-
-
-def _model_dir():
-    from kvsieve.models import ModelNotInstalledError, ensure_bundled
-
-    try:
-        return str(ensure_bundled("smollm2-135m"))
-    except ModelNotInstalledError as err:
-        pytest.skip(str(err))
 
 
 def _greedy(kvsieve: dict | None, n: int = NEW_TOKENS, **engine):
@@ -72,7 +43,7 @@ def _greedy(kvsieve: dict | None, n: int = NEW_TOKENS, **engine):
     from vllm import LLM, SamplingParams
 
     extra = engine_kwargs(**kvsieve) if kvsieve else {"enable_prefix_caching": False}
-    llm = LLM(model=_model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=512,
+    llm = LLM(model=model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=512,
               max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0, **{**extra, **engine})
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     stats = dict(getattr(llm.llm_engine.engine_core.engine_core.scheduler, "sieve_stats", {}))
@@ -92,8 +63,8 @@ def tri_stats(tmp_path_factory):
 
     from kvsieve.analysis.qk import calibrate
 
-    model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype="float32")
-    tok = AutoTokenizer.from_pretrained(_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype="float32")
+    tok = AutoTokenizer.from_pretrained(model_dir())
     texts = ["Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether. #### 72",
              "Weng earns 12/60 = $0.2 per minute. Working 50 minutes, she earned 0.2 x 50 = $10. #### 10"]
     path = tmp_path_factory.mktemp("tri") / "smol.pt"
@@ -150,7 +121,7 @@ def test_a_compaction_right_after_a_preemptions_recompute():
     recomputed request's recorded last query), then finishes with every token."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=_model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=20 * BLOCK,
+    llm = LLM(model=model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=20 * BLOCK,
               kv_cache_memory_bytes=21 * 30 * 3 * 64 * 2 * 4 * BLOCK, seed=0,
               **engine_kwargs("tova", budget=64, interval=16))
     engine = llm.llm_engine

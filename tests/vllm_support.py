@@ -1,0 +1,49 @@
+"""What the vLLM tests share (tests/test_vllm_*.py): the skip where vLLM is missing or not a
+tested version, the in-process engine core, the bundled model's directory and the scripts they run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def require_vllm() -> None:
+    """Skip the calling module where vLLM is not installed or is not a tested version
+    (``check_vllm``), and run vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    set before vLLM reads its environment) so a test can step it and read its scheduler."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make vllm-env builds its environment)", allow_module_level=True)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kvsieve.vllm import UnsupportedVLLM, check_vllm
+
+    try:
+        check_vllm()
+    except UnsupportedVLLM as err:  # pragma: no cover
+        pytest.skip(str(err), allow_module_level=True)
+
+
+def model_dir() -> str:
+    """The bundled smollm2-135m's converted directory, or a skip naming how to install it."""
+    from kvsieve.models import ModelNotInstalledError, ensure_bundled
+
+    try:
+        return str(ensure_bundled("smollm2-135m"))
+    except ModelNotInstalledError as err:
+        pytest.skip(str(err))
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` as a module (registered under NAME, as its sibling imports expect)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
