@@ -363,14 +363,14 @@ class Policy:
             )
 
     def _check_cross_layer(self) -> None:
-        """``Needs.cross_layer`` needs every layer to hold the same tokens: one budget everywhere, no
-        layer kept whole, the prompt read whole (block-wise prefill compresses layer by layer)."""
-        why = {f"allocator {self.allocator.name!r} gives layers or heads different budgets; use the uniform allocator":
-               self.allocator.ragged_heads or not self.allocator.same_layer_budgets,
-               "block-wise prefill compresses while layers differ; set prefill_block false": self.prefill_block,
-               "it keeps some layers whole": self.scorer.needs.whole_layers}
-        for reason in [reason for reason, applies in why.items() if applies][:1]:
-            raise ValueError(f"{self.scorer.name} with these settings keeps the same tokens in every layer, but {reason}")
+        """``Needs.cross_layer``: every layer must hold the same tokens (one budget, whole prompt)."""
+        reasons = [reason for reason, applies in {
+            f"allocator {self.allocator.name!r} gives layers or heads different budgets; use the uniform allocator":
+                self.allocator.ragged_heads or not self.allocator.same_layer_budgets,
+            "block-wise prefill compresses while layers differ; set prefill_block false": self.prefill_block,
+            "it keeps some layers whole": self.scorer.needs.whole_layers}.items() if applies]
+        if reasons:
+            raise ValueError(f"{self.scorer.name} as set keeps the same tokens in every layer, but {reasons[0]}")
 
     def prefill_block_size(self) -> int | None:
         """Tokens per block of block-wise prefill eviction, or None without it."""
