@@ -105,3 +105,18 @@ def test_a_cpu_dry_run_runs_every_step_without_the_projects_own_dependencies(tmp
         ("compiled", "kvsieve tova@256 compiled"), ("compiled", "transformers static compiled"),
         ("long", "tova@4 eager, mean over 16 tokens")}
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"gpu_check.json", "compiled.json", "long.json"}
+
+
+def test_a_step_that_raises_is_one_failed_row_and_the_check_goes_on(tmp_path, monkeypatch, capsys):
+    """The model load (step 2) raises: the summary file still comes out, with the tests' row, the
+    failure in one line and the long step not run; exit status 1."""
+    def no_model(settings):
+        raise RuntimeError("CUDA out of memory\nsecond line")
+
+    monkeypatch.setattr(gpu_check, "run_tests", lambda path: {"status": "ok", "summary": "3 passed"})
+    monkeypatch.setattr(gpu_check, "load_for", no_model)
+    assert gpu_check.main(["--device", "cpu", "--out-dir", str(tmp_path)]) == 1
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())["summary"]
+    assert [r["entry"] for r in summary] == ["3 passed", "failed: RuntimeError: CUDA out of memory",
+                                             "not run: no model (see the compiled step)"]
+    assert "gpu-check: compiled failed: RuntimeError: CUDA out of memory" in capsys.readouterr().out

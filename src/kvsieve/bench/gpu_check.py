@@ -12,6 +12,9 @@ In order, on ``--device`` (default ``cuda``):
 
 then one summary table of ratios. Each benchmark writes its JSON and PNG to ``--out-dir``
 (``benchmarks/results/gpu/``), beside ``gpu_check.json`` (the summary, step times, machine).
+``gpu_check.json`` is rewritten after every step, so a run stopped at its time limit keeps the
+steps it finished; a benchmark step that raises is one ``failed: ...`` row of the summary, and
+the check goes on (exit status 1).
 
 It imports torch, transformers (and what they pull in) and the standard library only, so it
 reads its options with argparse, not through the typer CLI (``kvsieve``): that needs typer and
@@ -194,6 +197,13 @@ def no_cuda_line() -> str | None:
             f"make gpu-check DEVICE=cpu MODEL=random:qwen2.5-1.5b TOKENS=16")
 
 
+def failed(step: str, err: Exception) -> dict:
+    """A step that raised, as one summary row and one printed line; the check goes on."""
+    line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+    print(f"gpu-check: {step} failed: {line}", flush=True)
+    return {"step": step, "entry": f"failed: {line}"}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and (line := no_cuda_line()):
@@ -206,52 +216,71 @@ def main(argv=None) -> int:
     model_args = dict(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     steps: dict[str, float] = {}
     summary: list[dict] = []
+    facts = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if args.device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name()
+
+    def save() -> None:  # after every step, so a run cut off at its time limit keeps what it finished
+        write(out / "gpu_check.json", {"benchmark": "gpu_check", "model": args.model, "machine": facts,
+                                       "settings": vars(args), "tests": tests, "step_s": steps,
+                                       "total_s": time.perf_counter() - start, "summary": summary})
 
     print(f"== gpu-check 1/3: gpu tests ({args.tests})", flush=True)
     tests = run_tests(args.tests)
     steps["gpu tests"] = time.perf_counter() - start
     summary.append({"step": "gpu tests", "entry": tests["summary"]})
+    save()
 
     print(f"\n== gpu-check 2/3: compiled-step benchmark, {args.model} in {args.dtype}, batches {args.batches}",
           flush=True)
     t0 = time.perf_counter()
     compiled_args = CompiledSettings(**model_args, methods="full,tova", budget=args.budget, new_tokens=args.new_tokens,
                                      batches=args.batches, out=str(out / "compiled.json"))
-    model, tok = load_for(compiled_args)
-    compiled_rows = compiled.run(model, tok, compiled_args)
+    model = tok = None
+    compiled_rows: list[dict] = []
+    try:
+        model, tok = load_for(compiled_args)
+        facts.update(machine(model))
+        compiled_rows = compiled.run(model, tok, compiled_args)
+        summary += compiled_summary(compiled_rows)
+    except Exception as err:  # noqa: BLE001 - reported in the summary; the long step still runs
+        summary.append(failed("compiled", err))
     steps["compiled benchmark"] = time.perf_counter() - t0
-    summary += compiled_summary(compiled_rows)
+    save()
 
     print(f"\n== gpu-check 3/3: long generation, budget {args.long_budget}, batch {args.long_batch}", flush=True)
     t0 = time.perf_counter()
     modes = MODES if args.long_mode == "auto" else (args.long_mode,)
-    if args.long_lengths:
-        mode, lengths = modes[0], args.long_lengths
+    if model is None:
+        summary.append({"step": "long", "entry": "not run: no model (see the compiled step)"})
     else:
-        mode, lengths = long_plan(compiled_rows, args.long_batch, modes, args.time_limit - (t0 - start))
-    if lengths:
-        long_args = LongSettings(**model_args, methods="tova", budget=args.long_budget, batch=args.long_batch,
-                                 lengths=",".join(map(str, lengths)), out=str(out / "long.json"),
-                                 compile=mode == "compiled")
-        result = scale.run(model, tok, long_args)
-        summary += long_summary(result["rows"], result["every"], mode)
-    else:
-        summary.append({"step": "long", "entry": "not run: out of time"})
+        if args.long_lengths:
+            mode, lengths = modes[0], args.long_lengths
+        elif compiled_rows:
+            mode, lengths = long_plan(compiled_rows, args.long_batch, modes, args.time_limit - (t0 - start))
+        else:  # no step times to plan from: the shortest length, eagerly
+            mode, lengths = "eager", [LONG_LENGTHS[0]]
+        if not lengths:
+            summary.append({"step": "long", "entry": "not run: out of time"})
+        else:
+            long_args = LongSettings(**model_args, methods="tova", budget=args.long_budget, batch=args.long_batch,
+                                     lengths=",".join(map(str, lengths)), out=str(out / "long.json"),
+                                     compile=mode == "compiled")
+            try:
+                result = scale.run(model, tok, long_args)
+                summary += long_summary(result["rows"], result["every"], mode)
+            except Exception as err:  # noqa: BLE001 - reported in the summary
+                summary.append(failed("long", err))
     steps["long benchmark"] = time.perf_counter() - t0
+    save()
 
     total = time.perf_counter() - start
-    facts = machine(model)
-    if args.device == "cuda":
-        facts["gpu"] = torch.cuda.get_device_name()
-    facts["transformers"] = transformers.__version__
-    write(out / "gpu_check.json", {"benchmark": "gpu_check", "model": args.model, "machine": facts,
-                                   "settings": vars(args), "tests": tests, "step_s": steps, "total_s": total,
-                                   "summary": summary})
     times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in steps.items())
     print_table(f"gpu-check: {args.model} in {args.dtype} on {facts.get('gpu', args.device)}, "
                 f"torch {torch.__version__}, transformers {transformers.__version__}; {times}; total {total:.0f} s",
                 summary)
-    return 1 if tests["status"] == "failed" else 0
+    benchmarks_failed = any(str(row.get("entry", "")).startswith("failed") for row in summary)
+    return 1 if tests["status"] == "failed" or benchmarks_failed else 0
 
 
 if __name__ == "__main__":
