@@ -2,9 +2,13 @@
 
 They run on random-weight models at real shapes (``random:qwen2.5-1.5b``), because the GPU
 machine has no model hub; greedy decoding of random weights is still deterministic, which is
-all these exactness checks need.  Tolerances: token-for-token equality where the same kernels
-run on the same data (compiled vs eager, budget >= length vs full); bf16 attention outputs
-compared at atol 2e-2 (bf16 has 8 mantissa bits).
+all these exactness checks need.  The token-for-token checks (compiled vs eager, budget >=
+length vs full) run in float32: a random model's next-token logits lie close together, and
+in bf16 a change of kernel alone flips the argmax. On an H200 (2026-11-27, torch 2.11) the bf16
+runs parted after 4-22 tokens where the kernels differ: the compiled step against eager (even
+for ``full``), and methods that read attention weights (TOVA, H2O, LazyEviction: eager
+attention) against ``full`` (SDPA); streaming and SnapKV matched. The compaction check stays in
+bf16 and compares exactly, since a gather does no arithmetic.
 """
 
 import pytest
@@ -24,7 +28,7 @@ PROMPTS = ["Explain the water cycle step by step.", "List three prime numbers an
 def model_tok():
     from kvsieve.models import load_model
 
-    return load_model("random:qwen2.5-1.5b", device="cuda", dtype="bfloat16")
+    return load_model("random:qwen2.5-1.5b", device="cuda", dtype="float32")  # TF32 stays off (torch's default)
 
 
 def run(model_tok, policy, n=48, **kw):
@@ -39,7 +43,8 @@ def test_budget_at_least_length_reproduces_full_on_cuda(model_tok, method):
 @pytest.mark.parametrize("method", ["full", "tova", "h2o", "streaming", "snapkv"])
 def test_compiled_step_gives_the_eager_tokens(model_tok, method):
     """GenerateConfig(compile=True) on CUDA: torch.compile with mode="reduce-overhead" (CUDA graphs)."""
-    policy = make_policy(method, budget=None if method == "full" else 32)
+    # recent 8: SnapKV's default window (64) would not fit in budget 32
+    policy = make_policy(method) if method == "full" else make_policy(method, budget=32, recent=8)
     eager = run(model_tok, policy, static_shapes=True)
     compiled = run(model_tok, policy, compile=True)
     assert compiled.token_ids == eager.token_ids

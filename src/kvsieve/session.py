@@ -276,6 +276,8 @@ class DecodeSession:
             tensors += [layer.keys, layer.values, layer.lengths, *layer.meta.values(), *layer.sums.values()]
             if layer.recent_queries is not None:
                 tensors += [layer.recent_queries, layer.recent_query_pos]
+        if self._step_peak is not None:  # in-step evictions write it: unmarked, inductor skips CUDA graphs
+            tensors.append(self._step_peak)
         for t in tensors:
             torch._dynamo.mark_static_address(t)
 
@@ -298,6 +300,7 @@ class DecodeSession:
         plan = self.schedule.plan_step()
         if plan.evict and (self._step_peak is None or self._step_peak.shape[0] != len(self.slots)):
             self._step_peak = torch.zeros(len(self.slots), self.num_layers, dtype=torch.long, device=self.device)
+            self._pin_for_cuda_graphs()
         logits = self._pass(tokens[:, None], None, plan.observer, evict=plan.evict)
         if plan.evict:
             self._count_event()
