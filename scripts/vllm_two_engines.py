@@ -111,13 +111,24 @@ def save(result: dict, out: str | None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated, from: " + ", ".join(METHODS) + ", triattention")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--interval", type=int, default=16)
     ap.add_argument("--out", default="results/vllm-two-engines.json")
+    ap.add_argument("--triattention-stats", default=None, metavar="FILE",
+                    help="TriAttention's statistics of the bundled model (kvsieve calibrate triattention): "
+                         "with it, --methods may name triattention (its official defaults)")
     args = ap.parse_args()
+    methods = dict(METHODS)
+    if args.triattention_stats:
+        methods["triattention"] = {"options": {"stats": args.triattention_stats}}
+    unknown = [m for m in args.methods.split(",") if m not in methods]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(methods)} "
+                 "(triattention needs --triattention-stats)")
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the scheduler's counters
     import torch
@@ -142,7 +153,7 @@ def main() -> int:
               "baseline_full": compare(plain, full), "methods": {}}
     agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
     for method in args.methods.split(","):
-        cfg = {"method": method, "budget": args.budget, "interval": args.interval, **METHODS.get(method, {})}
+        cfg = {"method": method, "budget": args.budget, "interval": args.interval, **methods[method]}
         settings = SieveSettings.from_config(cfg).for_model(model.config)
         started = time.perf_counter()
         try:
