@@ -38,7 +38,8 @@ STAGES = {
 }
 JOINED = {"1": GRID / "stage4-gsm8k-b128-triattention", "2": GRID / "stage5-math500-b256-triattention"}
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CHOICE_ROWS = 12  # README's table: the 11 most accurate cells of stage 1 and the random control
+CHOICE_ROWS = 12  # README's table: stage 1's most accurate cells, the official-default ones, the random control
+OFFICIAL = "+official"  # cells that run a method as its official code does (issue 51): always in README's table
 # The report gives no prompt fate to a cell without a budget; LagKV's partitions compress the
 # prompt with everything else (they cannot set it apart)
 PROMPT_WITHOUT_BUDGET = {"full": "-", "lagkv (no budget)": "competes"}
@@ -202,10 +203,12 @@ CHOICE_CAPTION = "GSM8K 0-99 at budget 128, MATH-500 100-149 at budget 256"
 
 
 def choice_cells() -> list[str]:
-    """README's rows: the most accurate cells of stage 1, then the random control."""
+    """README's rows, in stage 1's accuracy order: its most accurate cells, every cell that runs a
+    method's official defaults (``OFFICIAL``), and the random control."""
     ranked = by_accuracy(summary("1"))
-    chosen = [c for c in ranked if c != "random"][:CHOICE_ROWS - 1]
-    return [c for c in ranked if c in chosen or c == "random"]
+    official = [c for c in ranked if c.endswith(OFFICIAL)]
+    chosen = [c for c in ranked if c != "random" and c not in official][:CHOICE_ROWS - 1 - len(official)]
+    return [c for c in ranked if c in chosen or c in official or c == "random"]
 
 
 def short_versus(stage: str, cell: str) -> str:
