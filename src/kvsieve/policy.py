@@ -79,6 +79,10 @@ class Needs:
         The first ``whole_layers`` layers are never compressed and get no budget (Knorm's two).
     uses_budget : bool
         False: the scorer's own ``select()`` decides how many tokens stay (LagKV's partitions).
+    count_rule : bool
+        With ``uses_budget`` False: the count ``select()`` leaves follows from the row's length
+        alone, and ``Scorer.kept_count`` gives it before any score (LagKV's Eq. 10), so a paged
+        engine whose scheduler fixes the count before the step can serve it (``kvsieve.vllm``).
     fitted_fields : tuple[str, ...]
         A scorer without ``uses_budget`` that maps a budget to its own settings (``Scorer.sized``)
         names the fields the fit sets, per batch (LagKV: lag, ratio, ...); empty otherwise.
@@ -101,6 +105,7 @@ class Needs:
     aligned_heads: bool = False
     whole_layers: int = 0
     uses_budget: bool = True
+    count_rule: bool = False
     fitted_fields: tuple[str, ...] = ()
     traceable: bool = True
     cross_layer: bool = False
@@ -210,6 +215,12 @@ class Scorer:
     def should_compress(self, layer, budget: int | None) -> bool:
         """Host-side decision (no device read) whether this layer compresses now."""
         return budget is not None and layer.max_len > budget
+
+    def kept_count(self, seen: int) -> int:
+        """For a scorer that declares ``Needs.count_rule``: the tokens each kv head of a row holds
+        after a compression at ``seen`` tokens seen (host arithmetic, no score), given that every
+        earlier check compressed all that was due (``kvsieve.schedule.Schedule`` does)."""
+        raise NotImplementedError(f"{self.name} has no count rule: its select() decides the count from the scores")
 
     def sized(self, horizon: int, feed: "Feed", budget: int | None = None) -> tuple["Scorer", int | None]:
         """For a scorer that sizes its own cache (LagKV's partitions): the scorer to run for rows
