@@ -143,7 +143,7 @@ def lagkv_by_hand(sinks: int, lag: int, kept: int, prompt: int, total: int, inte
     (16, 128, 0.25, 300, 1), (4, 8, 0.25, 30, 1), (4, 8, 0.125, 30, 5), (0, 6, 0.5, 7, 3), (3, 5, 0.4, 50, 1),
     (4, 8, 0.25, 2, 7), (16, 16, 0.5, 100, 16)])
 def test_lagkv_keep_count_follows_its_recursion_by_hand(sinks, lag, ratio, prompt, interval):
-    """The scheduler's count for LagKV (``plan.keep_count``: the scorer's ``kept_count``) at each
+    """The scheduler's count for LagKV (``plan.keep_count``: its ``Needs.count_rule``) at each
     check of a long run, against the recursion simulated token by token: equal whenever something
     is dropped, None when the check drops nothing or none is due; several partitions freeze."""
     from kvsieve.methods.lagkv import kept_tokens
@@ -183,6 +183,6 @@ def test_lagkv_at_a_budget_is_fitted_to_the_servers_horizon():
     settings = SieveSettings.from_config({"method": "lagkv", "budget": 500, "horizon": 1500})
     ours, theirs = settings.policy.scorer, fitted(make_policy("lagkv", 500), 1500).scorer
     assert (ours.lag, ours.ratio) == (theirs.lag, theirs.ratio) and ours.ratio < 1
-    assert keep_count(settings, kv_len=1400, decode_steps=100, prompt_len=1300) == ours.kept_count(1400) < 1400
+    assert keep_count(settings, kv_len=1400, decode_steps=100, prompt_len=1300) == ours.needs.count_rule(1400) < 1400
     with pytest.raises(ValueError, match="set horizon"):
         keep_count(SieveSettings.from_config({"method": "lagkv", "budget": 500}), 1400, 100, prompt_len=1300)

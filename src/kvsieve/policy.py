@@ -58,8 +58,7 @@ class Needs:
     meta : dict[str, float]
         Per-token state fields, each with the value new tokens start with; moved with K/V.
     kv_fields, kv_sums : tuple[str, ...]
-        Per-token K/V statistics computed at append (``cache.KV_FIELDS``) and running sums over
-        the live tokens (``cache.KV_SUMS``).
+        Per-token K/V statistics computed at append (``cache.KV_FIELDS``), live sums (``cache.KV_SUMS``).
     observes : bool
         ``observe()`` gets every step's attention rows.
     observes_last_only : bool
@@ -77,12 +76,9 @@ class Needs:
         hold the same tokens (so no ragged per-head allocator).
     whole_layers : int
         The first ``whole_layers`` layers are never compressed and get no budget (Knorm's two).
-    uses_budget : bool
-        False: the scorer's own ``select()`` decides how many tokens stay (LagKV's partitions).
-    count_rule : bool
-        With ``uses_budget`` False: the count ``select()`` leaves follows from the row's length
-        alone, and ``Scorer.kept_count`` gives it before any score (LagKV's Eq. 10), so a paged
-        engine whose scheduler fixes the count before the step can serve it (``kvsieve.vllm``).
+    uses_budget : bool; count_rule : (int -> int) | None
+        False: the scorer's own ``select()`` decides how many tokens stay (LagKV's partitions);
+        ``count_rule``: that count from n tokens seen alone (LagKV's Eq. 10), for vLLM's scheduler.
     fitted_fields : tuple[str, ...]
         A scorer without ``uses_budget`` that maps a budget to its own settings (``Scorer.sized``)
         names the fields the fit sets, per batch (LagKV: lag, ratio, ...); empty otherwise.
@@ -105,7 +101,7 @@ class Needs:
     aligned_heads: bool = False
     whole_layers: int = 0
     uses_budget: bool = True
-    count_rule: bool = False
+    count_rule: Callable[[int], int] | None = None
     fitted_fields: tuple[str, ...] = ()
     traceable: bool = True
     cross_layer: bool = False
@@ -216,12 +212,6 @@ class Scorer:
         """Host-side decision (no device read) whether this layer compresses now."""
         return budget is not None and layer.max_len > budget
 
-    def kept_count(self, seen: int) -> int:
-        """For a scorer that declares ``Needs.count_rule``: the tokens each kv head of a row holds
-        after a compression at ``seen`` tokens seen (host arithmetic, no score), given that every
-        earlier check compressed all that was due (``kvsieve.schedule.Schedule`` does)."""
-        raise NotImplementedError(f"{self.name} has no count rule: its select() decides the count from the scores")
-
     def sized(self, horizon: int, feed: "Feed", budget: int | None = None) -> tuple["Scorer", int | None]:
         """For a scorer that sizes its own cache (LagKV's partitions): the scorer to run for rows
         of at most ``horizon`` tokens fed as ``feed`` says (with ``budget``: a copy whose
@@ -247,8 +237,7 @@ class Feed:
     ``prompt``: the batch's longest prompt in real tokens (0: not known, ``kvsieve.hf``);
     ``block``: ``Policy.prefill_block_size()``, the prompt arrives in blocks of this many tokens,
     each followed by a check (None: whole, checked once after prefill, or without
-    ``compress_prefill`` first at decode step ``interval``); ``interval`` and ``compress_prefill``:
-    the ``Policy``'s.
+    ``compress_prefill`` first at decode step ``interval``); ``interval``, ``compress_prefill``: the ``Policy``'s.
     """
 
     prompt: int = 0

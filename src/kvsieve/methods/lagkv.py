@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -82,8 +83,8 @@ def kept_after(sinks: int, lag: int, kept: int, seen: int) -> int:
     n >= S + 2L (the sinks, q - 1 frozen partitions of k tokens, the last full partition and the
     remainder), n below it (nothing compressed yet).  k >= L never compresses: n.
 
-    The one count rule of LagKV's schedule: ``peak_tokens`` (the cache's size) and
-    ``LagKV.kept_count`` (what a paged engine's scheduler fixes before the step, kvsieve.vllm)
+    The one count rule of LagKV's schedule: ``peak_tokens`` (the cache's size) and the scorer's
+    ``Needs.count_rule`` (what a paged engine's scheduler fixes before the step, kvsieve.vllm)
     both read it; ``LagKV.select`` reaches the same count from the slots (``find_tail``)."""
     if kept >= lag or seen < sinks + 2 * lag:
         return seen
@@ -190,8 +191,8 @@ class LagKV(Scorer):
                   "peak (Eq. 10 on the engine's schedule) is in [min_fill*B, B]; off the grid only with "
                   "off_grid=true (in_paper_grid=False and fit_note in the rows)")
     # no budget: select() keeps partitions; a budget is mapped to (L, r) by fit_budget
-    # count_rule: every kv head keeps Eq. (10)'s count, known from the length (kept_count)
-    needs = Needs(uses_budget=False, count_rule=True, fitted_fields=("lag", "ratio", "in_paper_grid", "fit_note"))
+    # count_rule (set in __post_init__): every kv head keeps Eq. (10)'s count of the length, kept_after
+    needs = Needs(uses_budget=False, fitted_fields=("lag", "ratio", "in_paper_grid", "fit_note"))
     # protect_prompt False: Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
     defaults = Defaults(sinks=16, protect_prompt=False)
     sinks: int = 16
@@ -219,7 +220,8 @@ class LagKV(Scorer):
         check_choice(self.reference, ("next", "self"), f"{self.name} reference")
         check_choice(self.statistic, ("lag", "key_norm"), f"{self.name} statistic")
         self.in_paper_grid = self.lag in PAPER_LAGS and any(math.isclose(self.ratio, r) for r in PAPER_RATIOS)
-        self.needs = replace(self.needs, whole_layers=self.skip_layers)
+        self.needs = replace(self.needs, whole_layers=self.skip_layers,
+                             count_rule=partial(kept_after, self.sinks, self.lag, self.kept))
 
     @property
     def kept(self) -> int:
@@ -313,12 +315,6 @@ class LagKV(Scorer):
     def paper_prefill_chunk(self) -> int:
         """Prefill chunk that reproduces Sec. 3.4's chunked prefill with ``prefill_block``."""
         return math.gcd(self.sinks, self.lag)
-
-    def kept_count(self, seen: int) -> int:
-        """Tokens every kv head of a compressed layer holds after a check at ``seen`` tokens:
-        Eq. (10) (``kept_after``), what ``select`` keeps on the same row.  Layers below
-        ``skip_layers`` are never compressed and hold ``seen``."""
-        return kept_after(self.sinks, self.lag, self.kept, seen)
 
     def should_compress(self, layer, budget):
         """Host-side: can a partition have completed since this layer's last compression?"""

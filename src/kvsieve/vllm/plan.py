@@ -25,8 +25,8 @@ from typing import Any
 # a served base.
 #
 # The count is the budget (+ the prompt with ``protect_prompt``), or for a scorer without a budget
-# that declares a count rule (``Needs.count_rule``: LagKV, LocalKV and lagkv-l2's partitions) the
-# scorer's own ``kept_count`` of the request's length: LagKV's Eq. (10), the count every check of
+# that declares a count rule (``Needs.count_rule``: LagKV, LocalKV and lagkv-l2's partitions) that
+# rule of the request's length: LagKV's Eq. (10), the count every check of
 # kvsieve's schedule leaves, whatever the earlier checks were.  The scheduler keeps no state for
 # it beyond the offset it has anyway (offset = frozen partitions x (L - k)).  With a budget, L and r
 # are fitted once per server to ``horizon`` (the longest request; max_model_len by default), as
@@ -55,13 +55,13 @@ SERVED_WRAPPERS = ("ams", "ams-released")
 def unserved(policy) -> str | None:
     """Why kvsieve's vLLM integration cannot serve ``policy`` (a ``kvsieve.policy.Policy``), in one
     phrase, or None when it can: every (layer, kv head) must keep one count the scheduler knows
-    before the step (the budget, or the scorer's own ``kept_count``), and a scorer's state must be
+    before the step (the budget, or the scorer's own ``Needs.count_rule``), and a scorer's state must be
     rebuildable from the KV and the recorded queries."""
     scorer = policy.scorer
     if scorer is None:
         return None
     needs = scorer.needs
-    if not needs.uses_budget and not needs.count_rule:
+    if not needs.uses_budget and needs.count_rule is None:
         return "its own rule decides how many tokens stay at compaction time, and the scheduler must know the " \
                "count before the step"
     if needs.whole_layers:
@@ -212,9 +212,9 @@ def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomput
     was preempted and has just recomputed its prompt and outputs at full length, which an
     unpreempted request never holds: it is compressed at once.
 
-    A scorer without a budget that declares a count rule (``Needs.count_rule``, LagKV) keeps its
-    own ``kept_count`` of the request's ``prompt_len + decode_steps`` tokens seen instead, on the
-    same schedule: what its ``select`` keeps at that check in kvsieve's engine."""
+    A scorer without a budget that declares a count rule (``Needs.count_rule``, LagKV) keeps that
+    rule's count of the request's ``prompt_len + decode_steps`` tokens seen instead, on the same
+    schedule: what its ``select`` keeps at that check in kvsieve's engine."""
     if not settings.compresses:
         return None
     if settings.unfitted:
@@ -224,7 +224,7 @@ def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomput
     if policy.scorer.needs.uses_budget:
         bound = policy.budget + (prompt_len if policy.protect_prompt else 0)
     else:  # the scorer's own count (checked in unserved: it declares a count rule)
-        bound = policy.scorer.kept_count(prompt_len + decode_steps)
+        bound = policy.scorer.needs.count_rule(prompt_len + decode_steps)
     if kv_len <= bound:
         return None
     due = (recomputed or (decode_steps == 0 and policy.compress_prefill)
