@@ -58,7 +58,7 @@ class Needs:
     meta : dict[str, float]
         Per-token state fields, each with the value new tokens start with; moved with K/V.
     kv_fields, kv_sums : tuple[str, ...]
-        Per-token K/V statistics computed at append (``cache.KV_FIELDS``), live sums (``cache.KV_SUMS``).
+        Per-token K/V statistics at append (``cache.KV_FIELDS``), running sums over live tokens (``cache.KV_SUMS``).
     observes : bool
         ``observe()`` gets every step's attention rows.
     observes_last_only : bool

@@ -25,12 +25,12 @@ from typing import Any
 # a served base.
 #
 # The count is the budget (+ the prompt with ``protect_prompt``), or for a scorer without a budget
-# that declares a count rule (``Needs.count_rule``: LagKV, LocalKV and lagkv-l2's partitions) that
-# rule of the request's length: LagKV's Eq. (10), the count every check of
-# kvsieve's schedule leaves, whatever the earlier checks were.  The scheduler keeps no state for
-# it beyond the offset it has anyway (offset = frozen partitions x (L - k)).  With a budget, L and r
-# are fitted once per server to ``horizon`` (the longest request; max_model_len by default), as
-# kvsieve's engine fits them to a batch's horizon (``schedule.fitted``).
+# that declares a count rule (``Needs.count_rule``: the partitions of LagKV, LocalKV and lagkv-l2)
+# that rule of the request's length: LagKV's Eq. (10), the count every check of kvsieve's schedule
+# leaves, whatever the earlier checks were.  The scheduler keeps no state for it beyond the offset
+# it has anyway (offset = frozen partitions x (L - k)).  With a budget, L and r are fitted once per
+# server to ``horizon`` (the longest request; max_model_len by default), as kvsieve's engine fits
+# them to a batch's horizon (``schedule.fitted``).
 #
 # Scorers that observe every query's attention (H2O's sums, LazyEviction's and RaaS's timestamps)
 # have their state rebuilt at each compaction from every query since the last one, the prompt's
