@@ -27,7 +27,9 @@ import time
 
 DATA = os.environ.get("KVSIEVE_SHARED_DATA", "/work/shared/data")
 # method -> its own settings for this comparison: knorm without its two whole layers (a shared
-# block table cannot hold them), windows small enough for a budget of 64 with room to evict
+# block table cannot hold them), windows small enough for a budget of 64 with room to evict; LagKV
+# at a budget of 128 (64 fits only one token per partition at this horizon, off its paper's grid
+# anyway: off_grid) and LocalKV without one (L = 32: the prompt is compressed, then every 32 tokens)
 METHODS = {
     "streaming": {},
     "knorm": {"options": {"skip_layers": 0}},
@@ -40,6 +42,8 @@ METHODS = {
     "lazy": {},
     "raas": {},
     "ams:expected": {},
+    "lagkv": {"budget": 128, "options": {"off_grid": True}},
+    "localkv": {"budget": None, "options": {"lag": 32}},
 }
 BLOCK = 32
 
@@ -153,7 +157,9 @@ def main() -> int:
               "baseline_full": compare(plain, full), "methods": {}}
     agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
     for method in args.methods.split(","):
-        cfg = {"method": method, "budget": args.budget, "interval": args.interval, **methods[method]}
+        # horizon: LagKV's budget fit (the server's max_model_len by default) is kvsieve's for this batch
+        cfg = {"method": method, "budget": args.budget, "interval": args.interval,
+               "horizon": max(map(len, prompts)) + args.new_tokens, **methods[method]}
         settings = SieveSettings.from_config(cfg).for_model(model.config)
         started = time.perf_counter()
         try:

@@ -34,7 +34,10 @@ STATS = "<calibrated>"  # triattention's statistics: the tri_stats fixture's (ca
 # each served method with the settings it needs on the bundled model: the two-engine script's, and the two
 # it leaves out there (random's draws depend on the store's size; triattention needs statistics)
 SERVED = {**load_script("vllm_two_engines").METHODS, "random": {},
-          "triattention": {"options": {"stats": STATS}}}  # its defaults: per_head across layers, the prompt pinned
+          "triattention": {"options": {"stats": STATS}},  # its defaults: per_head across layers, the prompt pinned
+          # LagKV's L and r fitted to the budget at max_model_len (512): nothing is compressed below S + 2L = 272
+          "lagkv": {}, "localkv": {"budget": None},  # localkv at its own L = 128, r = 1/4: the same
+          "lagkv-l2": {"options": {"skip_layers": 0}}}
 DEFAULT = {"h2o"}  # records every query of a request: the largest ring
 
 

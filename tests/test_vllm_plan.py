@@ -50,7 +50,10 @@ def test_keep_count_follows_kvsieves_schedule():
     ({"method": "tova", "budget": 64, "interval": 0}, "interval"),
     ({"method": "caote:tova", "budget": 64, "options": {"prefill_block": False}}, "not served inside vLLM yet"),
     ({"method": "lazy", "budget": 64, "options": {"window": 40}}, "needs budget >= 2W"),
-    ({"method": "lagkv"}, "own rule decides how many tokens stay"),
+    ({"method": "lagkv-l2"}, "keeps its first 2 layers whole"),
+    ({"method": "lagkv", "options": {"prefill_block": 16}}, "block by block"),
+    ({"method": "lagkv", "budget": 64, "horizon": 600}, "fits no setting of the paper's grid"),
+    ({"method": "lagkv", "horizon": 0}, "horizon must be an integer >= 1"),
     ({"method": "skipkv", "budget": 64}, "per-token host hook"),
     ({"method": "caote:tova", "budget": 64}, "block by block"),
     ({"method": "snapkv", "budget": 64, "record_queries": -1}, "record_queries"),
@@ -100,3 +103,86 @@ def test_a_protected_prompt_is_kept_beside_the_budget():
     s = SieveSettings.from_config({"method": "streaming", "budget": 32, "interval": 8, "protect_prompt": True})
     assert keep_count(s, kv_len=50, decode_steps=0, prompt_len=50) is None  # the prompt alone: nothing to drop
     assert keep_count(s, kv_len=90, decode_steps=40, prompt_len=50) == 82  # prompt + budget
+
+
+def test_a_scorer_that_decides_its_count_from_its_scores_is_not_served():
+    """Without a budget and without a count rule (``Needs.count_rule``) the scheduler cannot know
+    the count before the step."""
+    from types import SimpleNamespace
+
+    from kvsieve.policy import Needs
+    from kvsieve.vllm.plan import unserved
+
+    policy = SimpleNamespace(scorer=SimpleNamespace(needs=Needs(uses_budget=False)))
+    assert "own rule decides how many tokens stay" in unserved(policy)
+
+
+# ---------------------------------------------------------------- LagKV's count, by brute force
+def lagkv_by_hand(sinks: int, lag: int, kept: int, prompt: int, total: int, interval: int,
+                  compress_prefill: bool = True) -> dict[int, int]:
+    """LagKV's recursion (arXiv:2504.04704 Sec. 2.2) on a list of token positions, checked on
+    kvsieve's schedule: after the prompt (with ``compress_prefill``), then every ``interval``
+    decode steps.  The first S tokens are sinks; the rest is cut into partitions of L; a
+    partition is compressed to k of its tokens once the partition after it is complete, and is
+    frozen from then on.  Returns {tokens seen: tokens held after the check} at each check."""
+    cache, frozen_end, counts = [], sinks, {}  # held positions in order; sinks and frozen partitions end here
+    for n in range(1, total + 1):
+        cache.append(n - 1)
+        steps = n - prompt
+        if not (steps == 0 and compress_prefill or steps > 0 and steps % interval == 0):
+            continue
+        while len(cache) - frozen_end >= 2 * lag:  # the first tail partition has a complete successor
+            partition = cache[frozen_end:frozen_end + lag]
+            cache[frozen_end:frozen_end + lag] = partition[:kept]  # any k of them: only the count matters here
+            frozen_end += kept
+        counts[n] = len(cache)
+    return counts
+
+
+@pytest.mark.parametrize("sinks, lag, ratio, prompt, interval", [
+    (16, 128, 0.25, 300, 1), (4, 8, 0.25, 30, 1), (4, 8, 0.125, 30, 5), (0, 6, 0.5, 7, 3), (3, 5, 0.4, 50, 1),
+    (4, 8, 0.25, 2, 7), (16, 16, 0.5, 100, 16)])
+def test_lagkv_keep_count_follows_its_recursion_by_hand(sinks, lag, ratio, prompt, interval):
+    """The scheduler's count for LagKV (``plan.keep_count``: its ``Needs.count_rule``) at each
+    check of a long run, against the recursion simulated token by token: equal whenever something
+    is dropped, None when the check drops nothing or none is due; several partitions freeze."""
+    from kvsieve.methods.lagkv import kept_tokens
+
+    total = prompt + 12 * lag + 7
+    settings = SieveSettings.from_config({"method": "lagkv", "sinks": sinks, "interval": interval,
+                                          "options": {"lag": lag, "ratio": ratio}})
+    kept = kept_tokens(lag, ratio)
+    by_hand = lagkv_by_hand(sinks, lag, kept, prompt, total, interval)
+    held, compactions = prompt, 0
+    for n in range(prompt, total + 1):  # the scheduler's moments: the KV holds n tokens
+        count = keep_count(settings, kv_len=held, decode_steps=n - prompt, prompt_len=prompt)
+        expected = by_hand.get(n, held)
+        assert count == (expected if expected < held else None), (n, held, by_hand.get(n))
+        held = (count if count is not None else held) + 1  # then the step writes one token
+        compactions += count is not None
+    assert compactions >= 5 and total - by_hand[max(by_hand)] >= 5 * (lag - kept)  # several partitions frozen
+
+
+def test_lagkv_count_rule_is_its_recursion_at_any_check():
+    """``kept_after`` (Eq. 10) is what the recursion holds after a check at n tokens, whatever the
+    earlier checks were: every n with checks at every token, and at irregular ones."""
+    from kvsieve.methods.lagkv import kept_after
+
+    for sinks, lag, kept in [(16, 128, 32), (4, 8, 2), (0, 5, 1), (3, 7, 6), (2, 4, 4)]:
+        for prompt, interval in [(1, 1), (1, 3), (19, 11), (40, 2)]:
+            for n, count in lagkv_by_hand(sinks, lag, kept, prompt, 4 * sinks + 9 * lag + 5, interval).items():
+                assert kept_after(sinks, lag, kept, n) == count, (sinks, lag, kept, prompt, interval, n)
+
+
+def test_lagkv_at_a_budget_is_fitted_to_the_servers_horizon():
+    """With a budget, L and r are fitted once to ``horizon`` (the server's max_model_len by default),
+    as kvsieve's engine fits them to a batch of that horizon; unset, the count is refused."""
+    from kvsieve.methods import make_policy
+    from kvsieve.schedule import fitted
+
+    settings = SieveSettings.from_config({"method": "lagkv", "budget": 500, "horizon": 1500})
+    ours, theirs = settings.policy.scorer, fitted(make_policy("lagkv", 500), 1500).scorer
+    assert (ours.lag, ours.ratio) == (theirs.lag, theirs.ratio) and ours.ratio < 1
+    assert keep_count(settings, kv_len=1400, decode_steps=100, prompt_len=1300) == ours.needs.count_rule(1400) < 1400
+    with pytest.raises(ValueError, match="set horizon"):
+        keep_count(SieveSettings.from_config({"method": "lagkv", "budget": 500}), 1400, 100, prompt_len=1300)

@@ -172,3 +172,79 @@ def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, pro
             assert state.pos[layer_idx, h].tolist() == theirs, (prompt, layer_idx, h)
             assert set(range(min(prompt, BUDGET))) <= set(theirs)  # the pinned prompt stays
     assert torch.equal(state.pos[0], state.pos[1])  # the same tokens in every layer
+
+
+# LagKV keeps its own count (Eq. 10 of its length, ``Needs.count_rule``): a run long enough to freeze
+# several partitions, compacted wherever the scheduler's rule says, against kvsieve's own schedule
+LAG_TOTAL, LAG_BLOCKS = 96, [17, 3, 22, 8, 0, 12, 19, 5, 25, 1, 14, 9, 23, 6, 20, 2, 11, 16, 24, 4, 18, 7, 13, 21]
+LAG_CASES = {
+    "lagkv": {"sinks": 4, "options": {"lag": 8, "ratio": 0.25}},
+    "localkv": {"sinks": 4, "options": {"lag": 8, "ratio": 0.25}},
+    "lagkv-l2": {"sinks": 4, "options": {"lag": 8, "ratio": 0.25, "skip_layers": 0}},
+    "lagkv-every-5": {"method": "lagkv", "sinks": 3, "interval": 5, "options": {"lag": 7, "ratio": 0.3}},
+    "lagkv-no-prefill": {"method": "lagkv", "sinks": 4, "interval": 3, "compress_prefill": False,
+                         "options": {"lag": 8, "ratio": 0.25}},
+    "lagkv-budget": {"method": "lagkv", "budget": 40, "sinks": 4, "options": {"off_grid": True}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAG_CASES))
+def test_a_paged_request_keeps_what_lagkvs_recursion_keeps_at_every_compaction(case):
+    """LagKV fed as kvsieve's engine feeds it (the prompt in one pass, then one token per step, its
+    schedule's checks after each: ``Schedule.end_prompt``, ``Schedule.after_step``); beside it the
+    same request in vLLM's blocks, compacted before each step where the scheduler's rule
+    (``plan.keep_count``) gives a count, by the adapter.  At every compaction the count is the one
+    kvsieve's store ends with, and every (layer, kv head) holds the same positions with their K/V."""
+    from kvsieve.schedule import Schedule, StepPlan
+    from kvsieve.vllm.plan import keep_count
+
+    config = {"method": case, "horizon": LAG_TOTAL, **LAG_CASES[case]}
+    settings = SieveSettings.from_config(config)
+    policy = settings.policy
+    if "budget" in config:  # fitted to the horizon as kvsieve's engine fits a batch of that horizon
+        assert policy.scorer.fit_note and policy.scorer.ratio < 1
+    g = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(L, H, LAG_TOTAL, D, generator=g), torch.randn(L, H, LAG_TOTAL, D, generator=g)
+
+    cache = SieveCache(L, **scorer_fields(policy.scorer))  # kvsieve's store and schedule
+    schedule = Schedule(policy, cache, horizon=LAG_TOTAL)
+    caches = [torch.zeros(max(LAG_BLOCKS) + 2, H, BLOCK, 2 * D) for _ in range(L)]  # a pool; the request has LAG_BLOCKS
+    blocks, state, kv_len, compactions = torch.tensor(LAG_BLOCKS), RequestState(), 0, 0
+
+    def feed(start: int, end: int) -> None:
+        """Tokens start .. end - 1 into both stores (kvsieve's appends; vLLM writes after the KV held)."""
+        nonlocal kv_len
+        qpos = torch.arange(start, end)[None]
+        cache.begin_step(qpos)
+        for layer in range(L):
+            k, v = keys[layer, :, start:end], values[layer, :, start:end]
+            cache.layers[layer].update(k[None], v[None], qpos)
+            held_k, held_v = gather(CpuLayout(), caches[layer], blocks, kv_len)
+            write_(CpuLayout(), caches[layer], blocks, torch.cat([held_k, k], 1), torch.cat([held_v, v], 1))
+        kv_len += end - start
+
+    cache.set_seen(torch.zeros(1, dtype=torch.long))
+    feed(0, PROMPT)
+    schedule.end_prompt(torch.tensor([PROMPT]), grow_chunk=8)
+    for n in range(PROMPT, LAG_TOTAL + 1):  # the scheduler's moments: n tokens seen, all in the KV
+        if n > PROMPT:  # the decode step that wrote token n - 1, then kvsieve's check after it
+            feed(n - 1, n)
+            cache.count_decoded()
+            schedule.after_step(StepPlan())
+        keep = keep_count(settings, kv_len, decode_steps=n - PROMPT, prompt_len=PROMPT)
+        if keep is not None:
+            c = Compaction("r", tuple(LAG_BLOCKS), kv_len=kv_len, keep=keep, kept_blocks=len(LAG_BLOCKS),
+                           logical_len=n, prompt_len=PROMPT)
+            compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c, lambda layer: None)
+            kv_len, compactions = keep, compactions + 1
+        ours = state.positions(kv_len, L, H)  # [L, H, kv_len]
+        for layer in range(L):
+            theirs = cache.layers[layer].meta["pos"][0]  # [H, cap]
+            k, v = gather(CpuLayout(), caches[layer], blocks, kv_len)
+            for h in range(H):
+                assert ours[layer, h].tolist() == theirs[h][theirs[h] != DEAD_POS].tolist(), (case, n, layer, h)
+                assert torch.equal(k[h], keys[layer, h, ours[layer, h]]), (case, n, layer, h)
+                assert torch.equal(v[h], values[layer, h, ours[layer, h]]), (case, n, layer, h)
+    scorer = policy.scorer
+    frozen = (LAG_TOTAL - kv_len) // (scorer.lag - scorer.kept)
+    assert compactions >= 3 and frozen >= 4, (compactions, frozen)

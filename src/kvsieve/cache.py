@@ -114,7 +114,7 @@ def kv_field(layer, name: str) -> torch.Tensor:
     return KV_FIELDS[name](layer.keys, layer.values)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a scorer's host table may key on a view (LagKV's DueTable)
 class LayerView:
     """What a scorer or an analysis reads of one layer: its tensors, per-token state and recent
     queries (``SieveLayer.view``).  A wrapper scoring a reshaped layer (CAOTE's query heads, AMS's

@@ -428,7 +428,8 @@ def serve(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Bundled name, local directory or hub id (first, before any option)."),
     method: str = typer.Option("full", help=f"Method served inside vLLM: {', '.join(SERVED)}."),
-    budget: Optional[int] = typer.Option(None, help="KV tokens kept per (request, layer, kv head)."),
+    budget: Optional[int] = typer.Option(None, help="KV tokens kept per (request, layer, kv head); "
+                                                    "lagkv: its L and r fitted to it (--set horizon=N)."),
     sinks: Optional[int] = typer.Option(None, help="Protected first tokens (default: kvsieve.vllm's)."),
     interval: Optional[int] = typer.Option(None, help="Compress every N decode steps (default: kvsieve.vllm's)."),
     set_: List[str] = typer.Option([], "--set", help="Another kvsieve.vllm setting key=value (repeatable)."),

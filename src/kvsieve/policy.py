@@ -58,8 +58,7 @@ class Needs:
     meta : dict[str, float]
         Per-token state fields, each with the value new tokens start with; moved with K/V.
     kv_fields, kv_sums : tuple[str, ...]
-        Per-token K/V statistics computed at append (``cache.KV_FIELDS``) and running sums over
-        the live tokens (``cache.KV_SUMS``).
+        Per-token K/V statistics at append (``cache.KV_FIELDS``), running sums over live tokens (``cache.KV_SUMS``).
     observes : bool
         ``observe()`` gets every step's attention rows.
     observes_last_only : bool
@@ -77,8 +76,9 @@ class Needs:
         hold the same tokens (so no ragged per-head allocator).
     whole_layers : int
         The first ``whole_layers`` layers are never compressed and get no budget (Knorm's two).
-    uses_budget : bool
-        False: the scorer's own ``select()`` decides how many tokens stay (LagKV's partitions).
+    uses_budget : bool; count_rule : (int -> int) | None
+        False: the scorer's own ``select()`` decides how many tokens stay (LagKV's partitions);
+        ``count_rule``: that count from n tokens seen alone (LagKV's Eq. 10), for vLLM's scheduler.
     fitted_fields : tuple[str, ...]
         A scorer without ``uses_budget`` that maps a budget to its own settings (``Scorer.sized``)
         names the fields the fit sets, per batch (LagKV: lag, ratio, ...); empty otherwise.
@@ -101,6 +101,7 @@ class Needs:
     aligned_heads: bool = False
     whole_layers: int = 0
     uses_budget: bool = True
+    count_rule: Callable[[int], int] | None = None
     fitted_fields: tuple[str, ...] = ()
     traceable: bool = True
     cross_layer: bool = False
@@ -236,8 +237,7 @@ class Feed:
     ``prompt``: the batch's longest prompt in real tokens (0: not known, ``kvsieve.hf``);
     ``block``: ``Policy.prefill_block_size()``, the prompt arrives in blocks of this many tokens,
     each followed by a check (None: whole, checked once after prefill, or without
-    ``compress_prefill`` first at decode step ``interval``); ``interval`` and ``compress_prefill``:
-    the ``Policy``'s.
+    ``compress_prefill`` first at decode step ``interval``); ``interval``, ``compress_prefill``: the ``Policy``'s.
     """
 
     prompt: int = 0

@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -75,6 +76,22 @@ def kept_tokens(lag: int, ratio: float) -> int:
     return max(1, round(ratio * lag))
 
 
+def kept_after(sinks: int, lag: int, kept: int, seen: int) -> int:
+    """Tokens a row's cache holds right after a check at ``seen`` tokens that compresses every
+    partition due (Sec. 2.2's recursion), whatever the earlier checks were, as long as each of
+    them did the same: Eq. (10)'s ``S + k(q - 1) + L + m`` with q, m = divmod(n - S, L) once
+    n >= S + 2L (the sinks, q - 1 frozen partitions of k tokens, the last full partition and the
+    remainder), n below it (nothing compressed yet).  k >= L never compresses: n.
+
+    The one count rule of LagKV's schedule: ``peak_tokens`` (the cache's size) and the scorer's
+    ``Needs.count_rule`` (what a paged engine's scheduler fixes before the step, kvsieve.vllm)
+    both read it; ``LagKV.select`` reaches the same count from the slots (``find_tail``)."""
+    if kept >= lag or seen < sinks + 2 * lag:
+        return seen
+    q, m = divmod(seen - sinks, lag)
+    return sinks + kept * (q - 1) + lag + m
+
+
 def peak_tokens(sinks: int, lag: int, kept: int, horizon: int) -> int:
     """Most tokens a row's cache holds while n = 1 .. ``horizon`` tokens arrive one at a time.
 
@@ -85,8 +102,8 @@ def peak_tokens(sinks: int, lag: int, kept: int, horizon: int) -> int:
     horizon's own Eq. (10) length.  k >= L never compresses: the peak is the horizon."""
     if kept >= lag or horizon < sinks + 2 * lag:
         return horizon
-    q, m = divmod(horizon - sinks, lag)
-    return max(sinks + kept * (q - 2) + 2 * lag, sinks + kept * (q - 1) + lag + m)
+    q = (horizon - sinks) // lag
+    return max(sinks + kept * (q - 2) + 2 * lag, kept_after(sinks, lag, kept, horizon))
 
 
 def scheduled_peak(sinks: int, lag: int, kept: int, horizon: int, feed: Feed) -> int:
@@ -174,6 +191,7 @@ class LagKV(Scorer):
                   "peak (Eq. 10 on the engine's schedule) is in [min_fill*B, B]; off the grid only with "
                   "off_grid=true (in_paper_grid=False and fit_note in the rows)")
     # no budget: select() keeps partitions; a budget is mapped to (L, r) by fit_budget
+    # count_rule (set in __post_init__): every kv head keeps Eq. (10)'s count of the length, kept_after
     needs = Needs(uses_budget=False, fitted_fields=("lag", "ratio", "in_paper_grid", "fit_note"))
     # protect_prompt False: Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
     defaults = Defaults(sinks=16, protect_prompt=False)
@@ -202,7 +220,8 @@ class LagKV(Scorer):
         check_choice(self.reference, ("next", "self"), f"{self.name} reference")
         check_choice(self.statistic, ("lag", "key_norm"), f"{self.name} statistic")
         self.in_paper_grid = self.lag in PAPER_LAGS and any(math.isclose(self.ratio, r) for r in PAPER_RATIOS)
-        self.needs = replace(self.needs, whole_layers=self.skip_layers)
+        self.needs = replace(self.needs, whole_layers=self.skip_layers,
+                             count_rule=partial(kept_after, self.sinks, self.lag, self.kept))
 
     @property
     def kept(self) -> int:

@@ -24,6 +24,14 @@ from typing import Any
 # no eviction (the exactness baseline).  Wrappers: ``ams:<base>`` and ``ams-released:<base>`` over
 # a served base.
 #
+# The count is the budget (+ the prompt with ``protect_prompt``), or for a scorer without a budget
+# that declares a count rule (``Needs.count_rule``: the partitions of LagKV, LocalKV and lagkv-l2)
+# that rule of the request's length: LagKV's Eq. (10), the count every check of kvsieve's schedule
+# leaves, whatever the earlier checks were.  The scheduler keeps no state for it beyond the offset
+# it has anyway (offset = frozen partitions x (L - k)).  With a budget, L and r are fitted once per
+# server to ``horizon`` (the longest request; max_model_len by default), as kvsieve's engine fits
+# them to a batch's horizon (``schedule.fitted``).
+#
 # Scorers that observe every query's attention (H2O's sums, LazyEviction's and RaaS's timestamps)
 # have their state rebuilt at each compaction from every query since the last one, the prompt's
 # included, so their ring holds ``max_model_len`` queries per request (``query_window``).
@@ -34,25 +42,26 @@ from typing import Any
 #   (``step_results``) and evict the prompt block by block (prefill_block), which vLLM's chunked
 #   prefill does not hand over;
 # * skipkv: a per-token host hook (sentence boundaries from the token text), kvsieve's loop only;
-# * lagkv: its partitions decide how many tokens stay, at compaction time; the scheduler must know
-#   the count before the step (a host-side rule from the length: not written yet);
-# * knorm with its default skip_layers=2: two whole layers cannot share a block table with
-#   compressed ones; served with skip_layers=0;
+# * knorm and lagkv-l2 with their default skip_layers=2: two whole layers cannot share a block
+#   table with compressed ones; served with skip_layers=0;
+# * LagKV's chunked prefill (prefill_block, Sec. 3.4): vLLM's chunked prefill does not hand over
+#   the prompt's blocks;
 # * the pyramid and adakv allocators (per-layer and per-head counts): not offered.
 SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
-          "h2o", "lazy", "raas")
+          "h2o", "lazy", "raas", "lagkv", "localkv", "lagkv-l2")
 SERVED_WRAPPERS = ("ams", "ams-released")
 
 
 def unserved(policy) -> str | None:
     """Why kvsieve's vLLM integration cannot serve ``policy`` (a ``kvsieve.policy.Policy``), in one
     phrase, or None when it can: every (layer, kv head) must keep one count the scheduler knows
-    before the step, and a scorer's state must be rebuildable from the KV and the recorded queries."""
+    before the step (the budget, or the scorer's own ``Needs.count_rule``), and a scorer's state must be
+    rebuildable from the KV and the recorded queries."""
     scorer = policy.scorer
     if scorer is None:
         return None
     needs = scorer.needs
-    if not needs.uses_budget:
+    if not needs.uses_budget and needs.count_rule is None:
         return "its own rule decides how many tokens stay at compaction time, and the scheduler must know the " \
                "count before the step"
     if needs.whole_layers:
@@ -74,7 +83,10 @@ class SieveSettings:
     ``method``, ``budget`` and the schedule fields mean what they mean in ``kvsieve.make_policy``
     (None: the method's default); ``options``: the method's own settings (``make_policy``'s other
     keywords, e.g. ``{"skip_layers": 0}``, ``{"stats": FILE}``); ``record_queries``: at least this
-    many recent queries per (request, layer) recorded, beyond what the method asks for."""
+    many recent queries per (request, layer) recorded, beyond what the method asks for; ``horizon``:
+    the longest request (prompt + output tokens) a budget is fitted to by a method that maps it to
+    its own settings (``Needs.fits_budget``: LagKV's L and r, ``fit_budget``), the server's
+    ``max_model_len`` when unset (``scheduler.settings_of``); no other method reads it."""
 
     method: str = "full"
     budget: int | None = None
@@ -85,6 +97,7 @@ class SieveSettings:
     protect_prompt: bool | None = None
     pin_prompt: bool | None = None
     record_queries: int = 0
+    horizon: int | None = None
     options: dict = field(default_factory=dict, hash=False)
 
     SCHEDULE = ("sinks", "recent", "interval", "compress_prefill", "protect_prompt", "pin_prompt")
@@ -101,6 +114,9 @@ class SieveSettings:
         if not isinstance(settings.record_queries, int) or isinstance(settings.record_queries, bool) \
                 or settings.record_queries < 0:
             raise ValueError(f"kvsieve: record_queries must be an integer >= 0, got {settings.record_queries!r}")
+        if settings.horizon is not None and (not isinstance(settings.horizon, int) or isinstance(settings.horizon, bool)
+                                             or settings.horizon < 1):
+            raise ValueError(f"kvsieve: horizon must be an integer >= 1, got {settings.horizon!r}")
         if not isinstance(settings.options, dict):
             raise ValueError(f"kvsieve: options must be a mapping of the method's settings, got {settings.options!r}")
         try:
@@ -119,13 +135,23 @@ class SieveSettings:
 
     @cached_property
     def policy(self):
-        """The ``kvsieve.policy.Policy`` these settings name (its defaults filled in by the method)."""
+        """The ``kvsieve.policy.Policy`` these settings name (its defaults filled in by the method),
+        with a budget-fitting method's settings fitted to ``horizon`` when it is set
+        (``schedule.fitted``, as kvsieve's engine does for a batch of that horizon)."""
         from ..methods import make_policy
+        from ..schedule import fitted
 
         schedule = {k: getattr(self, k) for k in self.SCHEDULE if getattr(self, k) is not None}
         if self.method == "full":
             return make_policy("full")
-        return make_policy(self.method, self.budget, **schedule, **self.options)
+        policy = make_policy(self.method, self.budget, **schedule, **self.options)
+        return policy if self.horizon is None else fitted(policy, self.horizon)
+
+    @property
+    def unfitted(self) -> bool:
+        """A budget that the method maps to its own settings, not yet fitted (no ``horizon``)."""
+        scorer = self.policy.scorer
+        return scorer is not None and scorer.needs.fits_budget and self.budget is not None and self.horizon is None
 
     @property
     def compresses(self) -> bool:
@@ -184,11 +210,21 @@ def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomput
     when over it.  The count is known here, before any score is computed, so the scheduler frees
     the tail blocks itself and the worker only fills the kept slots.  ``recomputed``: the request
     was preempted and has just recomputed its prompt and outputs at full length, which an
-    unpreempted request never holds: it is compressed at once."""
+    unpreempted request never holds: it is compressed at once.
+
+    A scorer without a budget that declares a count rule (``Needs.count_rule``, LagKV) keeps that
+    rule's count of the request's ``prompt_len + decode_steps`` tokens seen instead, on the same
+    schedule: what its ``select`` keeps at that check in kvsieve's engine."""
     if not settings.compresses:
         return None
+    if settings.unfitted:
+        raise ValueError(f"kvsieve: {settings.method} fits its settings to the budget at a horizon: set horizon "
+                         "(the server sets max_model_len)")
     policy = settings.policy
-    bound = policy.budget + (prompt_len if policy.protect_prompt else 0)
+    if policy.scorer.needs.uses_budget:
+        bound = policy.budget + (prompt_len if policy.protect_prompt else 0)
+    else:  # the scorer's own count (checked in unserved: it declares a count rule)
+        bound = policy.scorer.needs.count_rule(prompt_len + decode_steps)
     if kv_len <= bound:
         return None
     due = (recomputed or (decode_steps == 0 and policy.compress_prefill)

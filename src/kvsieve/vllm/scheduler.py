@@ -37,8 +37,13 @@ logger = init_logger(__name__)
 
 
 def settings_of(vllm_config) -> SieveSettings:
+    """The server's settings (the scheduler's and the worker's alike), a budget-fitting method's
+    ``horizon`` the model's ``max_model_len`` unless set: no request runs longer."""
     extra = vllm_config.additional_config
-    return SieveSettings.from_config(extra.get(CONFIG_KEY) if isinstance(extra, dict) else None)
+    config = dict((extra.get(CONFIG_KEY) if isinstance(extra, dict) else None) or {})
+    if config.get("horizon") is None:
+        config["horizon"] = vllm_config.model_config.max_model_len
+    return SieveSettings.from_config(config)
 
 
 def refuse_unsupported(vllm_config, kv_cache_config) -> None:

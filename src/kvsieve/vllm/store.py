@@ -129,6 +129,8 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     prompt_len = torch.tensor([c.prompt_len]) if policy.protect_prompt else None
     pinned = torch.tensor([min(c.prompt_len, policy.budget)]) if policy.pin_prompt else None
     seen = torch.tensor([c.logical_len])  # [1]: the next token's position
+    # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
+    budget = policy.budget if needs.uses_budget else c.keep
 
     def read(layer: int) -> LayerView:
         """Layer ``layer`` of the request as the scorer reads it, its attention rows observed."""
@@ -149,7 +151,7 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     for layer, cache in enumerate(caches):
         view = read(layer) if views is None else views[layer]
         keys, values = view.keys[0], view.values[0]  # [H, kv_len, D]
-        kept = keep_set(view, policy, policy.budget, seen, prompt_len, pinned, scores)[0]  # [H, keep], slot order
+        kept = keep_set(view, policy, budget, seen, prompt_len, pinned, scores)[0]  # [H, keep], slot order
         if kept.shape[-1] != c.keep:
             raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned {c.keep}")
         heads = torch.arange(H)[:, None]
