@@ -186,3 +186,13 @@ def test_lagkv_at_a_budget_is_fitted_to_the_servers_horizon():
     assert keep_count(settings, kv_len=1400, decode_steps=100, prompt_len=1300) == ours.needs.count_rule(1400) < 1400
     with pytest.raises(ValueError, match="set horizon"):
         keep_count(SieveSettings.from_config({"method": "lagkv", "budget": 500}), 1400, 100, prompt_len=1300)
+
+
+def test_a_refused_setting_names_its_method_once():
+    """A method's own refusal already starting with its name (LagKV's fit) is not prefixed again."""
+    with pytest.raises(ValueError) as refused:
+        SieveSettings.from_config({"method": "lagkv", "budget": 20, "horizon": 4000})
+    assert str(refused.value).startswith("kvsieve: lagkv: budget 20 at horizon 4000 fits no setting")
+    with pytest.raises(ValueError) as refused:
+        SieveSettings.from_config({"method": "snapkv", "budget": 32})
+    assert str(refused.value).startswith("kvsieve: snapkv: budget 32 is smaller than the protected tokens")

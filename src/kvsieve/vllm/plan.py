@@ -122,7 +122,8 @@ class SieveSettings:
         try:
             policy = settings.policy
         except (TypeError, ValueError) as err:
-            raise ValueError(f"kvsieve: {settings.method}: {' '.join(str(err).split())}") from None
+            reason, named = " ".join(str(err).split()), f"{settings.method}: "
+            raise ValueError(f"kvsieve: {reason if reason.startswith(named) else named + reason}") from None
         why = unserved(policy)
         if why:
             raise ValueError(f"kvsieve: {settings.method} with these settings is not served inside vLLM: {why}")
