@@ -39,8 +39,8 @@ def _series_style(plt, i: int) -> dict:
     return dict(color=plt.get_cmap("tab20")(2 * (i % 10) + (i // 10) % 2), marker="os^Dv<>ph*"[(i // 10) % 10])
 
 
-PROMPT_MARKERS = {"kept": ("s", "prompt kept"), "competes": ("o", "prompt competes"), "mixed": ("^", "prompt mixed"),
-                  None: ("D", "no budget")}
+PROMPT_MARKERS = {"kept": ("s", "prompt kept"), "pinned": ("v", "prompt pinned in the budget"),
+                  "competes": ("o", "prompt competes"), "mixed": ("^", "prompt mixed"), None: ("D", "no budget")}
 
 
 def base_method(s: CellSummary) -> str:
