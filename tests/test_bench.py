@@ -232,3 +232,16 @@ def test_overhead_leaves_triattention_out_without_its_statistics_file(capsys):
     rows = measure(None, OverheadSettings(methods="triattention", lengths="64", batches="1", steps=2))
     assert rows == [] and "triattention   not timed: needs --stats FILE (kvsieve calibrate triattention)" in \
         capsys.readouterr().out
+
+
+def test_the_long_clock_stops_while_a_step_compiles():
+    """A compile that ends between two readings is taken off every later reading (an evicting
+    step compiles when the cache first reaches the budget, which once read as a slow stretch);
+    one that ends before the first reading shifts nothing. Expected values worked by hand."""
+    from kvsieve.bench.common import tokens_per_s_between, without_compiling
+
+    clock = [(8, 100.0), (256, 102.0), (512, 164.0), (768, 166.0)]
+    spans = [(99.0, 30.0), (163.0, 60.0)]  # before the first reading; between 256 and 512
+    assert without_compiling(clock, spans) == [(8, 0.0), (256, 2.0), (512, 4.0), (768, 6.0)]
+    row = {"batch": 1, "clock": without_compiling(clock, spans)}
+    assert tokens_per_s_between(row, 256, 512) == pytest.approx(256 / 2.0)

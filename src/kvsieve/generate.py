@@ -126,6 +126,8 @@ class GenerationResult:
     kv_bytes_trace: list[tuple[int, int]] = field(default_factory=list)
     # (decode step, live KV tokens per (row, layer, kv head) on average) at every host check
     live_kv_trace: list[tuple[int, float]] = field(default_factory=list)
+    # (time.perf_counter() when it ended, seconds) for each decode step that compiled a graph
+    compile_spans: list[tuple[float, float]] = field(default_factory=list)
 
     def as_rows(self) -> list[dict]:
         return [{"text": t, "token_ids": ids, **asdict(s), "settings": self.settings}
@@ -394,7 +396,8 @@ def generate(
         _decode(session, rows, config, next_token, generator)
     texts = [rows.text(row) for row in range(len(encoded))]
     return GenerationResult(texts=texts, token_ids=rows.tokens, stats=rows.stats, settings=settings,
-                            kv_bytes_trace=session.kv_bytes_trace, live_kv_trace=session.live_kv_trace)
+                            kv_bytes_trace=session.kv_bytes_trace, live_kv_trace=session.live_kv_trace,
+                            compile_spans=session.compile_spans)
 
 
 def _decode(session: DecodeSession, rows: _Rows, config: GenerateConfig, next_token, generator) -> None:

@@ -169,6 +169,7 @@ class DecodeSession:
         self.on_tokens: list = []  # per-token host hooks, called before every forward
         self.on_rows_leave: list = []  # host hooks called before finished rows leave the cache
         self.compile_s = 0.0  # seconds spent in steps that compiled a graph
+        self.compile_spans: list[tuple[float, float]] = []  # (perf_counter when it ended, seconds) per such step
         self.compiled_steps = 0  # steps that ran the compiled function
         self.compression_events = [0] * batch_size  # per original row
         self.peak_tokens = torch.zeros(batch_size, self.num_layers, dtype=torch.long, device=self.device)
@@ -234,7 +235,9 @@ class DecodeSession:
             self.compiled_steps += 1
             if compiled_graphs() != graphs:
                 _sync(self.device)
-                self.compile_s += time.perf_counter() - t0
+                ended = time.perf_counter()
+                self.compile_s += ended - t0
+                self.compile_spans.append((ended, ended - t0))
         else:
             logits = model_pass(*args)
         cache.advance(T)

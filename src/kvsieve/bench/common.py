@@ -63,7 +63,8 @@ def timed_generate(model, tok, method: str, budget: int | None, batch: int, new_
     ``clock_every`` tokens, so one long run gives the speed over every stretch of the way
     (``tokens_per_s_between``).  Readings land on the host checks (every ``check_every`` steps).
     ``compile`` runs the compiled decode step; its compile time is ``compile_s``, apart from
-    ``decode_s``."""
+    ``decode_s``, and the clock stops while a step compiles (an evicting step compiles its graph
+    only when the cache first reaches the budget, far into a long run)."""
     policy = make_policy(method, budget=None if method == "full" else budget, **settings)
     config = GenerateConfig(max_new_tokens=new_tokens, ignore_eos=True, kv_memory_gb=kv_memory_gb, compile=compile)
     clock: list[tuple[int, float]] = []  # (tokens row 0 has generated, perf_counter)
@@ -89,8 +90,18 @@ def timed_generate(model, tok, method: str, budget: int | None, batch: int, new_
         "peak_kv_tokens_max_layer": max(max(s.peak_kv_tokens) for s in result.stats),
         "compression_events": result.stats[0].compression_events,
         "kv_bytes_trace": result.kv_bytes_trace,
-        **({"clock": [(n, t - clock[0][1]) for n, t in clock]} if clock else {}),
+        **({"clock": without_compiling(clock, result.compile_spans)} if clock else {}),
     }
+
+
+def without_compiling(clock: list[tuple[int, float]], spans: list[tuple[float, float]]) -> list[tuple[int, float]]:
+    """``clock`` readings ``(tokens, perf_counter)`` as ``(tokens, decode seconds since the first
+    reading)``: each reading less the compile ``spans`` ``(perf_counter at its end, seconds)`` that
+    ended before it, and less the first reading's such time."""
+    def decoding(t: float) -> float:
+        return t - sum(seconds for ended, seconds in spans if ended <= t)
+    first = decoding(clock[0][1])
+    return [(n, decoding(t) - first) for n, t in clock]
 
 
 def tokens_per_s_between(row: dict, start: int, end: int) -> float:
