@@ -14,6 +14,13 @@ at two (L, r) settings), a protected-prompt case, through
 
 The default suite runs the ``default`` tier (a few cases); ``pytest -m slow tests/test_golden.py``
 runs all of them.
+
+One deliberate change of behaviour since the pin: equal scores now rank by position, the newer
+token kept (``schedule.ranked``, issue 49: kvsieve's engine and vLLM's must keep the same tokens).
+The kept scores are the same as under ``topk`` (``tests/test_tie_rule.py`` checks the rule against
+``sorted``), only which of the tied tokens stays changes, so the cases whose tokens moved (all
+LazyEviction, RaaS or Knorm, whose scores tie) are re-recorded in ``golden/tie-rule.json`` with
+``python tests/test_golden.py --tie-rule CASE_ID ...``; every other case still equals the pin.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import pytest
 import torch
 
 GOLDEN = Path(__file__).parent / "golden" / "tokens.json"
+TIE_RULE = Path(__file__).parent / "golden" / "tie-rule.json"  # case id -> tokens under the tie rule
 PROMPTS = ["A farmer has 17 sheep and buys 5 more each week. Explain step by step how many sheep he has after "
            "six weeks, and what he must plan for feeding them through the winter.",
            "List three prime numbers and say why each is prime."]
@@ -121,6 +129,10 @@ def load_golden() -> list[dict]:
     return json.loads(GOLDEN.read_text(encoding="utf-8"))["cases"] if GOLDEN.exists() else []
 
 
+def load_tie_rule() -> dict[str, list[list[int]]]:
+    return json.loads(TIE_RULE.read_text(encoding="utf-8"))["cases"] if TIE_RULE.exists() else {}
+
+
 @pytest.fixture
 def one_thread():
     """Reductions in one fixed order, as when the golden tokens were recorded."""
@@ -134,7 +146,8 @@ def one_thread():
                                                else pytest.mark.slow) for c in load_golden()])
 def test_tokens_equal_the_golden_record(smollm, one_thread, case):
     model, tok = smollm
-    assert run_case(case, model, tok) == case["tokens"], f"{case_id(case)} differs from its golden tokens"
+    expected = load_tie_rule().get(case_id(case), case["tokens"])
+    assert run_case(case, model, tok) == expected, f"{case_id(case)} differs from its golden tokens"
 
 
 def test_golden_record_exists_and_covers_every_tier():
@@ -173,7 +186,34 @@ def record() -> None:
     print(f"{len(recorded)} cases in {GOLDEN}")
 
 
+def record_tie_rule(ids: list[str]) -> None:
+    """Re-record the named cases under the tie rule (see the module's docstring), refusing one whose
+    tokens did not move: only a case the rule changed is overridden."""
+    from kvsieve.models import load_model
+
+    by_id = {case_id(case): case for case in load_golden()}
+    if unknown := sorted(set(ids) - set(by_id)):
+        sys.exit(f"no golden case {unknown}; ids as pytest shows them, e.g. eager-lazy@64")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, tok = load_model("smollm2-135m", device="cpu", dtype="float32")
+    moved = load_tie_rule()
+    for case_name in ids:
+        tokens = run_case(by_id[case_name], model, tok)
+        if tokens == by_id[case_name]["tokens"]:
+            sys.exit(f"{case_name}: the tie rule did not change its tokens; nothing to re-record")
+        moved[case_name] = tokens
+        lines = ",\n".join(f"{json.dumps(name)}: {json.dumps(moved[name])}" for name in sorted(moved))
+        TIE_RULE.write_text(f'{{"rule": "schedule.ranked: equal scores, the newer position kept", "cases": {{\n'
+                            f'{lines}\n}}}}\n', encoding="utf-8")
+        print(case_name, "re-recorded", flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
-        sys.exit(f"usage: python {sys.argv[0]} --record   (only at the commit the golden tokens describe)")
-    record()
+    if sys.argv[1:] == ["--record"]:
+        record()
+    elif sys.argv[1:2] == ["--tie-rule"] and sys.argv[2:]:
+        record_tie_rule(sys.argv[2:])
+    else:
+        sys.exit(f"usage: python {sys.argv[0]} --record   (only at the commit the golden tokens describe)\n"
+                 f"       python {sys.argv[0]} --tie-rule CASE_ID ...   (cases the tie rule changed)")

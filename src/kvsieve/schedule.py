@@ -49,13 +49,32 @@ def indices_from_mask(keep: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.T
     return order.masked_fill(order == S, 0), keep.sum(dim=-1)
 
 
-def top_k_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same result as ``indices_from_mask`` on a top-``k`` mask, without building the mask:
-    ``kept_idx`` [B, H, k] in slot order (slots scored -inf, i.e. dead, moved to the end and
+def ranked(scores: torch.Tensor, pos: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    """The ``k`` slots [B, H, k] of the highest (``largest``) or lowest ``scores`` [B, H, S], best
+    first, under one total order: equal scores rank by position, the newer token above the older.
+
+    Keeping the top ``k`` and evicting the bottom ``S - k`` then pick complementary sets, so an
+    engine that evicts in place (kvsieve's, at steady capacity) and one that gathers the kept
+    tokens (vLLM's paged one) keep the same tokens even where scores tie, as the integer
+    timestamps of LazyEviction and RaaS do by the dozen; ``topk`` alone leaves ties to the kernel.
+    No paper fixes a tie rule; preferring the newer token is StreamingLLM's recency bias.
+
+    One ``topk`` over an int64 key, (score, position) in lexicographic order: a float32's bits,
+    its negative values' magnitude bits flipped, order as the floats do (-0.0 made 0.0 first);
+    the position (below 2**31, ``DEAD_POS`` included) fills the low 32 bits."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # [B, H, S]
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # as the floats order
+    key = (ordered << 32) | pos  # [B, H, S] int64
+    return key.topk(k, dim=-1, largest=largest).indices
+
+
+def top_k_indices(scores: torch.Tensor, pos: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as ``indices_from_mask`` on a top-``k`` mask (``ranked``), without building the
+    mask: ``kept_idx`` [B, H, k] in slot order (slots scored -inf, i.e. dead, moved to the end and
     zeroed) and ``new_lengths`` [B, H]."""
     S = scores.shape[-1]
-    values, idx = scores.topk(k, dim=-1)
-    dead = values == float("-inf")
+    idx = ranked(scores, pos, k)
+    dead = scores.gather(-1, idx) == float("-inf")
     kept = idx.masked_fill(dead, S).sort(dim=-1).values
     return kept.masked_fill_(kept == S, 0), k - dead.sum(dim=-1)
 
@@ -121,7 +140,8 @@ def evict_in_place(layer: StoreLayer, policy: Policy, budget: int, seen_tokens: 
     (``pin_prompt``, when ``scores`` is None): each row keeps its first ``pinned`` positions."""
     if scores is None:
         scores = protected_scores(layer, policy, seen_tokens, prompt_len if pinned is None else pinned)
-    lowest = scores.masked_fill_(layer.meta["pos"] == DEAD_POS, float("inf")).topk(excess, dim=-1, largest=False).indices
+    pos = layer.meta["pos"]
+    lowest = ranked(scores.masked_fill_(pos == DEAD_POS, float("inf")), pos, excess, largest=False)
     layer.evict(lowest, (layer.lengths - row_budget(budget, prompt_len)).clamp(min=0, max=excess), max_len)
 
 
@@ -173,7 +193,7 @@ def keep_layer(layer: StoreLayer, policy: Policy, budget: int | None, seen_token
                        prompt_len=prompt_len, max_len=bound)
         return
     if chosen is None and not policy.allocator.ragged_heads and prompt_len is None:
-        kept_idx, new_lengths = top_k_indices(scores, min(layer.max_len, budget))
+        kept_idx, new_lengths = top_k_indices(scores, layer.meta["pos"], min(layer.max_len, budget))
     else:
         if chosen is None and prompt_len is None:
             chosen = policy.allocator.select(scores, budget, min(layer.max_len, budget))
@@ -208,7 +228,7 @@ def keep_set(layer, policy: Policy, budget: int, seen_tokens: torch.Tensor,
         raise ValueError("keep_set: rows with different prompt lengths keep different counts")
     chosen = policy.scorer.select(layer, scores, row_budget(budget, prompt_len), seen_tokens)
     if chosen is None:
-        kept_idx, new_lengths = top_k_indices(scores, keep)
+        kept_idx, new_lengths = top_k_indices(scores, layer.meta["pos"], keep)
     else:
         kept_idx, new_lengths = indices_from_mask(chosen[0] & (layer.meta["pos"] != DEAD_POS), keep)
     if bool((new_lengths != keep).any()):

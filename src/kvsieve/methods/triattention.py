@@ -73,7 +73,7 @@ Pruning modes (``pruning``):
   with those (selector_hf.py::_build_reduced_layer_stats, the mean over the group of ``q_abs_mean``
   and ``q_mean_complex``).
 # deviation: the official runner adds uniform noise of 1e-6 (seed 0) to every score to break ties;
-# kvsieve leaves ties to topk (its scores are fp32 means, ties are rare).
+# kvsieve breaks ties by position, the newer token kept (schedule.ranked; its scores are fp32 means, ties are rare).
 # deviation: the official runner prunes once the cache reaches budget + 128 (its slack trigger), so its
 # first compression falls at decode step budget + 128 - prompt; kvsieve compresses every `interval` (128)
 # decode steps while a layer holds more than the budget: the same period and peak (budget + 128), its first
