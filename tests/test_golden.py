@@ -19,7 +19,7 @@ One deliberate change of behaviour since the pin: equal scores now rank by posit
 token kept (``schedule.ranked``, issue 49: kvsieve's engine and vLLM's must keep the same tokens).
 The kept scores are the same as under ``topk`` (``tests/test_tie_rule.py`` checks the rule against
 ``sorted``), only which of the tied tokens stays changes, so the cases whose tokens moved (all
-LazyEviction, RaaS or Knorm, whose scores tie) are re-recorded in ``golden/tie-rule.json`` with
+LazyEviction and RaaS, whose integer scores tie) are re-recorded in ``golden/tie-rule.json`` with
 ``python tests/test_golden.py --tie-rule CASE_ID ...``; every other case still equals the pin.
 """
 
