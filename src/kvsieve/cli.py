@@ -455,7 +455,10 @@ def serve(
         raise typer.Exit(1) from None
     except ValueError as err:  # ModelNotFoundError
         raise typer.BadParameter(str(err), param_hint="MODEL") from None
-    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine_kwargs(**config), ctx.args))
+    vllm_args, processors = vllm_serve.take_logits_processors(ctx.args)
+    engine = engine_kwargs(**config)
+    engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
+    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, vllm_args))
 
 
 def _register_subcommands() -> None:
