@@ -11,6 +11,7 @@ import pytest
 
 from cli_support import runner, usage_error
 from kvsieve.cli import app
+from kvsieve.vllm import REQUEST_CHECK
 from kvsieve.vllm.serve import take_logits_processors, vllm_argv
 
 
@@ -71,10 +72,10 @@ def test_logits_processors_go_after_kvsieves_request_check():
     args = ["--port", "8011", "--logits-processors", "a:P", "b:Q", "--block-size", "32", "--logits-processors=c:R"]
     rest, named = take_logits_processors(args)
     assert rest == ["--port", "8011", "--block-size", "32"] and named == ["a:P", "b:Q", "c:R"]
-    engine = {"scheduler_cls": "a.Sched", "logits_processors": ["kvsieve.vllm.params:SieveRequestCheck", *named]}
+    engine = {"scheduler_cls": "a.Sched", "logits_processors": [REQUEST_CHECK, *named]}
     argv = vllm_argv("/models/m", engine, rest)
-    assert argv[argv.index("--logits-processors"):] == ["--logits-processors", "kvsieve.vllm.params:SieveRequestCheck",
-                                                       "a:P", "b:Q", "c:R", "--port", "8011", "--block-size", "32"]
+    assert argv[argv.index("--logits-processors"):] == ["--logits-processors", REQUEST_CHECK, "a:P", "b:Q", "c:R",
+                                                       "--port", "8011", "--block-size", "32"]
 
 
 def test_importing_the_cli_and_the_serve_module_imports_no_vllm():

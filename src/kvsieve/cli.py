@@ -436,7 +436,8 @@ def serve(
 ):
     """vLLM's OpenAI-compatible server with a kvsieve method active (in the vLLM environment: make
     vllm-env). Every option not listed here goes to vLLM's server unchanged (`vllm serve`'s options), e.g.
-    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`."""
+    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`. A request may set
+    its own kvsieve_budget, kvsieve_interval, kvsieve_sinks and kvsieve_recent in its body's vllm_xargs."""
     from .models import ModelNotInstalledError
     from .vllm import UnsupportedVLLM, check_vllm, engine_kwargs
     from .vllm import serve as vllm_serve
