@@ -11,7 +11,8 @@ import pytest
 
 from cli_support import runner, usage_error
 from kvsieve.cli import app
-from kvsieve.vllm.serve import vllm_argv
+from kvsieve.vllm import REQUEST_CHECK
+from kvsieve.vllm.serve import take_logits_processors, vllm_argv
 
 
 def error_of(*args) -> str:
@@ -62,6 +63,19 @@ def test_the_vllm_command_line_carries_the_engine_arguments_then_the_passed_opti
                     "--additional-config", '{"kvsieve": {"method": "streaming", "budget": 64}}',
                     "--port", "8011", "--block-size", "32"]
     assert json.loads(argv[argv.index("--additional-config") + 1]) == engine["additional_config"]
+
+
+def test_logits_processors_go_after_kvsieves_request_check():
+    """kvsieve's request check is a logits processor (``engine_kwargs``); processors passed on the
+    command line are taken out and added after it, since a second ``--logits-processors`` flag would
+    replace it."""
+    args = ["--port", "8011", "--logits-processors", "a:P", "b:Q", "--block-size", "32", "--logits-processors=c:R"]
+    rest, named = take_logits_processors(args)
+    assert rest == ["--port", "8011", "--block-size", "32"] and named == ["a:P", "b:Q", "c:R"]
+    engine = {"scheduler_cls": "a.Sched", "logits_processors": [REQUEST_CHECK, *named]}
+    argv = vllm_argv("/models/m", engine, rest)
+    assert argv[argv.index("--logits-processors"):] == ["--logits-processors", REQUEST_CHECK, "a:P", "b:Q", "c:R",
+                                                       "--port", "8011", "--block-size", "32"]
 
 
 def test_importing_the_cli_and_the_serve_module_imports_no_vllm():

@@ -196,3 +196,56 @@ def test_a_refused_setting_names_its_method_once():
     with pytest.raises(ValueError) as refused:
         SieveSettings.from_config({"method": "snapkv", "budget": 32})
     assert str(refused.value).startswith("kvsieve: snapkv: budget 32 is smaller than the protected tokens")
+
+
+def test_a_requests_keys_are_checked_without_the_server():
+    """``request_overrides``: a request's ``kvsieve_*`` keys of ``extra_args`` as settings fields;
+    other keys are not kvsieve's; an unknown ``kvsieve_*`` key or a bad value is one line naming the fix."""
+    from kvsieve.vllm.plan import request_overrides
+
+    assert request_overrides(None) == {} and request_overrides({"session_id": "x"}) == {}
+    assert request_overrides({"kvsieve_budget": 32, "kvsieve_interval": 8, "kvsieve_sinks": 0,
+                              "kvsieve_recent": 4, "other": [1]}) == {"budget": 32, "interval": 8, "sinks": 0,
+                                                                      "recent": 4}
+    for extra_args, message in [
+        ({"kvsieve_bugdet": 32}, "unknown per-request setting 'kvsieve_bugdet' (did you mean kvsieve_budget?); "
+                                 "known: kvsieve_budget, kvsieve_interval, kvsieve_sinks, kvsieve_recent"),
+        ({"kvsieve_method": "tova"}, "unknown per-request setting 'kvsieve_method'"),
+        ({"kvsieve_budget": "32"}, "kvsieve_budget must be an integer, got '32' (str)"),
+        ({"kvsieve_budget": True}, "kvsieve_budget must be an integer, got True (bool)"),
+        ({"kvsieve_budget": 0}, "kvsieve_budget must be >= 1, got 0"),
+        ({"kvsieve_interval": 0}, "kvsieve_interval must be >= 1, got 0"),
+        ({"kvsieve_recent": -1}, "kvsieve_recent must be >= 0, got -1"),
+        ({"kvsieve_sinks": 2.0}, "kvsieve_sinks must be an integer, got 2.0 (float)"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            request_overrides(extra_args)
+        assert str(refused.value).startswith(f"kvsieve: {message}") and "\n" not in str(refused.value)
+
+
+def test_a_requests_settings_are_a_server_started_with_them():
+    """``for_request``: the server's settings with the request's, giving the policy a server started
+    with them builds (its defaults derived again, e.g. an interval from the new budget), and the
+    server's own when the request sets none."""
+    server = SieveSettings.from_config({"method": "snapkv", "budget": 256, "horizon": 1024})
+    assert server.for_request({}) is server
+    own = server.for_request({"budget": 128, "recent": 8})
+    started = SieveSettings.from_config({"method": "snapkv", "budget": 128, "recent": 8, "horizon": 1024})
+    assert own.policy.settings() == started.policy.settings() != server.policy.settings()
+    assert keep_count(own, kv_len=200, decode_steps=0) == 128
+
+
+@pytest.mark.parametrize("server, overrides, why", [
+    ({"method": "snapkv", "budget": 256}, {"budget": 32},
+     "snapkv: budget 32 is smaller than the protected tokens: sinks 0 + recent 64; raise kvsieve_budget to at least 64"),
+    ({"method": "streaming", "budget": 64}, {"budget": 8, "sinks": 16}, "raise kvsieve_budget to at least 16"),
+    ({"method": "keydiff", "budget": 64}, {"recent": 200}, "smaller than the protected tokens: sinks 0 + recent 200"),
+    ({"method": "lagkv", "budget": 400, "horizon": 1024}, {"budget": 20}, "lagkv: budget 20 at horizon 1024 fits no"),
+    ({"method": "localkv"}, {"budget": 64}, "fits no setting of the paper's grid"),
+    ({"method": "full"}, {"budget": 64}, "this server evicts nothing (method full), so the request's kvsieve_budget=64"),
+])
+def test_a_requests_settings_that_do_not_fit_the_server_are_refused_in_one_line(server, overrides, why):
+    settings = SieveSettings.from_config({"horizon": 1024, **server})
+    with pytest.raises(ValueError) as refused:
+        settings.for_request(overrides)
+    assert why in str(refused.value) and "\n" not in str(refused.value)

@@ -219,3 +219,32 @@ def test_a_model_that_is_not_there_is_one_line():
                             capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"}, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model directory './no-such-model' does not exist" in result.stderr
+
+
+def complete(url: str, max_tokens: int, vllm_xargs: dict | None = None) -> requests.Response:
+    """One greedy completion past EOS, not streamed, with ``vllm_xargs`` (its ``extra_args``)."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if vllm_xargs is not None:
+        body["vllm_xargs"] = vllm_xargs
+    return requests.post(f"{url}/v1/completions", json=body, timeout=600)
+
+
+@pytest.mark.parametrize("vllm_xargs, message", [
+    ({"kvsieve_budgett": 32}, "kvsieve: unknown per-request setting 'kvsieve_budgett' (did you mean kvsieve_budget?)"),
+    ({"kvsieve_budget": "32"}, "kvsieve: kvsieve_budget must be an integer, got '32' (str)"),
+])
+def test_a_bad_per_request_setting_is_http_400_before_it_is_queued(server, vllm_xargs, message):
+    resp = complete(server, 8, vllm_xargs)
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+
+
+def test_per_request_settings_run_or_are_refused_alone(server):
+    """A request with its own budget runs to the end; one whose settings do not fit the server's
+    method (a recent window above its budget) is finished with an error before it is scheduled,
+    alone in the server, and the server goes on: nothing runs, waits or holds a block after."""
+    own = complete(server, 96, {"kvsieve_budget": 32})
+    assert own.status_code == 200 and own.json()["usage"]["completion_tokens"] == 96, own.text
+    refused = complete(server, 96, {"kvsieve_recent": 100})
+    # vLLM answers a request finished with an error status with HTTP 500; the reason is the server log's line
+    assert refused.status_code == 500, refused.text
+    assert {name: wait_idle(server)[name] for name in GAUGES_IDLE} == GAUGES_IDLE

