@@ -251,8 +251,8 @@ PY
     shift || true
     report_stage "$GRID/stage1-gsm8k-b128" "$GRID/stage4-gsm8k-b128-triattention $GRID/stage6-gsm8k-b128-official
       $GRID/stage8-gsm8k-b128-triattention-official" "$@"
-    report_stage "$GRID/stage2-math500-b256" "$GRID/stage5-math500-b256-triattention $GRID/stage7-math500-b256-official
-      $GRID/stage9-math500-b256-triattention-official" "$@"
+    report_stage "$GRID/stage2-math500-b256" "$GRID/stage7-math500-b256-official
+      $GRID/stage9-math500-b256-triattention-official" "$@"  # stage 5 never ran: superseded by 9
     report_stage "$GRID/stage3-gsm8k-b64" "" "$@"
     # the README's and docs/results.md's tables and figures, from the new summary.csv and report.md
     "$PYTHON" scripts/grid_docs.py ;;
