@@ -168,8 +168,7 @@ class DecodeSession:
         self.rows = torch.arange(batch_size, device=self.device)  # the same, on the device (fillers: their old row)
         self.on_tokens: list = []  # per-token host hooks, called before every forward
         self.on_rows_leave: list = []  # host hooks called before finished rows leave the cache
-        self.compile_s = 0.0  # seconds spent in steps that compiled a graph
-        self.compile_spans: list[tuple[float, float]] = []  # (perf_counter when it ended, seconds) per such step
+        self.compile_spans: list[tuple[float, float]] = []  # (perf_counter when it ended, seconds) per step that compiled
         self.compiled_steps = 0  # steps that ran the compiled function
         self.compression_events = [0] * batch_size  # per original row
         self.peak_tokens = torch.zeros(batch_size, self.num_layers, dtype=torch.long, device=self.device)
@@ -236,7 +235,6 @@ class DecodeSession:
             if compiled_graphs() != graphs:
                 _sync(self.device)
                 ended = time.perf_counter()
-                self.compile_s += ended - t0
                 self.compile_spans.append((ended, ended - t0))
         else:
             logits = model_pass(*args)
@@ -294,6 +292,11 @@ class DecodeSession:
     def steps(self) -> int:
         """Decode steps done (the schedule counts them)."""
         return self.schedule.steps
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent in steps that compiled a graph."""
+        return sum(seconds for _, seconds in self.compile_spans)
 
     def step(self, tokens: torch.Tensor, compress: bool = True) -> torch.Tensor:
         """One decode step for every cache row: ``tokens`` [B] in, next-token logits [B, V] out.
