@@ -122,6 +122,28 @@ def test_a_long_request_holds_a_constant_number_of_blocks():
     assert used[-1] == 0  # all back once it finished
 
 
+def test_by_default_a_request_is_compacted_once_per_block():
+    """With no interval set (the serving default, ``plan.block_due``), a 500-token TOVA request of a
+    7-token prompt at budget 64 is compacted when its next token would open a new block: first at 96
+    tokens held (decode step 89), then every 32 steps, 13 times by step 498, not at every step as
+    TOVA's own interval (1) would; it never holds more than the 3 blocks of 96 tokens."""
+    from vllm import SamplingParams
+
+    llm = _engine(method="tova", budget=BUDGET)
+    engine, scheduler = llm.llm_engine, _scheduler(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    total = pool.num_gpu_blocks - 1
+    engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
+    used = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        used.append(total - pool.get_num_free_blocks())
+    compactions = scheduler.sieve_stats["compactions"]
+    _close(llm)
+    assert compactions == 13
+    assert max(used) == 3 and used[-1] == 0
+
+
 def test_every_block_comes_back_after_aborts_and_preemptions():
     """A pool too small for the requests at full length: plain vLLM would preempt; kvsieve's
     requests compress, one is aborted mid-way, and when all are done every block is free."""

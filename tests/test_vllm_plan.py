@@ -43,6 +43,50 @@ def test_keep_count_follows_kvsieves_schedule():
     assert keep_count(s, kv_len=300, decode_steps=37, recomputed=True) == 64
 
 
+def test_serving_default_compacts_when_the_next_token_needs_a_block():
+    """No interval set: a request over its count is compacted when the token it writes next opens a
+    new block (kv_len a multiple of the block size), not every step (streaming's own interval is 1)."""
+    s = SieveSettings(method="streaming", budget=128)
+    assert s.policy.interval == 1
+    due = [kv for kv in range(129, 300) if keep_count(s, kv, decode_steps=kv - 100, block_size=32) is not None]
+    assert due == [160, 192, 224, 256, 288]  # every block boundary above the budget
+    assert keep_count(s, 160, decode_steps=60, block_size=32) == 128
+    assert keep_count(s, 161, decode_steps=61) == 128  # no block size: kvsieve's schedule, every step
+    # an interval set by the server or the request is kept exactly
+    assert keep_count(SieveSettings(method="streaming", budget=128, interval=16), 170, 48, block_size=32) == 128
+    assert keep_count(SieveSettings(method="streaming", budget=128, interval=16), 160, 50, block_size=32) is None
+    # after the prompt (compress_prefill) and after a preemption's recompute: at once, off the block
+    assert keep_count(s, 150, decode_steps=0, block_size=32) == 128
+    assert keep_count(s, 171, decode_steps=40, recomputed=True, block_size=32) == 128
+
+
+def test_serving_default_keeps_a_longer_interval_rounded_up_to_a_block():
+    """A method whose own interval exceeds a block (Expected Attention's 512, capped at budget / 2 =
+    64 at budget 128) waits for that many tokens over the count, then for the next block boundary."""
+    s = SieveSettings(method="expected", budget=128, options={"rope_theta": 10000.0})
+    assert s.policy.interval == 64 and not s.policy.compress_prefill
+    due = [kv for kv in range(129, 400) if keep_count(s, kv, decode_steps=kv - 100, block_size=32) is not None]
+    assert due == [192, 224, 256, 288, 320, 352, 384]  # kv - 128 >= 64 on a block boundary
+    assert keep_count(s, 200, decode_steps=50, block_size=48) is None
+    assert keep_count(s, 192, decode_steps=50, block_size=48) == 128  # 192 = 4 x 48, 64 over
+
+
+def test_serving_default_holds_at_most_one_block_over_the_budget():
+    """A request decoding 1,000 tokens from a 150-token prompt at budget 128, blocks of 32, as the
+    scheduler drives it: TOVA compresses the prompt at once (compress_prefill), then once per 32
+    tokens (at 160 held), so never holds more than 5 blocks (4 for the budget, one more)."""
+    s, kv, blocks, compactions = SieveSettings(method="tova", budget=128), 150, [], 0
+    assert s.policy.compress_prefill and s.policy.interval == 1
+    for step in range(1000):  # before each step: one sampled token not yet in the KV
+        keep = keep_count(s, kv, decode_steps=step, block_size=32)
+        if keep is not None:
+            kv, compactions = keep, compactions + 1
+        kv += 1  # the step writes it
+        blocks.append(-(-kv // 32))
+    assert compactions == 1 + 999 // 32  # at steps 0, 32, 64, ..., 992
+    assert max(blocks) == 5 and blocks.count(5) == 1000
+
+
 @pytest.mark.parametrize("config, why", [
     ({"method": "knorm", "budget": 64}, "keeps its first 2 layers whole"),
     ({"method": "snapkv", "budget": 64, "options": {"windw": 8}}, "unknown setting"),

@@ -122,14 +122,9 @@ def test_keep_set_refuses_a_select_that_keeps_uneven_counts():
         keep_set(layer.view(), policy, BUDGET, torch.tensor([S]))
 
 
-@pytest.mark.parametrize("prompt", [10, 30])
-def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, prompt):
-    """TriAttention's defaults (issue 51): each kv head keeps the same tokens in every layer, by the
-    mean over layers of each layer's scores (``per_head``), and the prompt is pinned inside the budget
-    (its first BUDGET tokens when longer, prompt 30 > 24).  The adapter keeps, in every (layer, kv
-    head), the tokens kvsieve's own schedule keeps (``Schedule.compress``) on the same keys."""
+def _tri_stats(tmp_path) -> str:
+    """A TriAttention statistics file for these shapes (random query means), its path."""
     from kvsieve.methods.triattention import QueryStats
-    from kvsieve.schedule import Schedule
 
     g = torch.Generator().manual_seed(3)
     q_mean = torch.randn(L, HQ, D // 2, 2, generator=g)
@@ -137,8 +132,19 @@ def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, pro
                        inv_freq=10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float64) / D), attention_scaling=1.0,
                        num_kv_heads=H, model_name="synthetic", fingerprint={}, settings={})
     stats.save(tmp_path / "stats.pt")
+    return str(tmp_path / "stats.pt")
+
+
+@pytest.mark.parametrize("prompt", [10, 30])
+def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, prompt):
+    """TriAttention's defaults (issue 51): each kv head keeps the same tokens in every layer, by the
+    mean over layers of each layer's scores (``per_head``), and the prompt is pinned inside the budget
+    (its first BUDGET tokens when longer, prompt 30 > 24).  The adapter keeps, in every (layer, kv
+    head), the tokens kvsieve's own schedule keeps (``Schedule.compress``) on the same keys."""
+    from kvsieve.schedule import Schedule
+
     settings = SieveSettings.from_config({"method": "triattention", "budget": BUDGET,
-                                          "options": {"stats": str(tmp_path / "stats.pt")}})
+                                          "options": {"stats": _tri_stats(tmp_path)}})
     policy = settings.policy
     assert policy.pin_prompt and policy.scorer.needs.cross_layer  # the defaults under test
     keys, values, _ = _request(1)
@@ -239,3 +245,105 @@ def test_a_paged_request_keeps_what_lagkvs_recursion_keeps_at_every_compaction(c
     scorer = policy.scorer
     frozen = (LAG_TOTAL - kv_len) // (scorer.lag - scorer.kept)
     assert compactions >= 3 and frozen >= 4, (compactions, frozen)
+
+
+# Requests compressed in one step together (``compress_requests``: one gather, one scoring, one write
+# per layer for all of them) against each compressed alone: (kv length, prompt) per request, each
+# with its own K/V, queries and blocks; a second compaction after EXTRA more tokens each.
+TOGETHER, EXTRA = [(40, 30), (33, 20), (37, 26)], 6
+
+
+def _pool_requests(seed: int):
+    """Three requests in one pool of blocks: their K/V and queries (EXTRA positions beyond their
+    first length), and each one's blocks, disjoint and out of order."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(3 * 12, generator=g).tolist()
+    out = []
+    for r, (kv_len, _) in enumerate(TOGETHER):
+        n = kv_len + EXTRA
+        out.append((torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g),
+                    torch.randn(L, n, HQ, D, generator=g), order[12 * r:12 * r + 12]))
+    return out
+
+
+def _compress_all(policy, ring: int, requests, together: bool):
+    """Both compactions of every request, together or one by one: the pool and the states."""
+    from kvsieve.vllm.store import compress_requests
+
+    caches = [torch.zeros(3 * 12, H, BLOCK, 2 * D) for _ in range(L)]
+    states = [RequestState() for _ in requests]
+    for (keys, values, _, blocks), (kv_len, _) in zip(requests, TOGETHER):
+        for layer in range(L):
+            write_(CpuLayout(), caches[layer], torch.tensor(blocks), keys[layer, :, :kv_len], values[layer, :, :kv_len])
+    lengths = [kv_len for kv_len, _ in TOGETHER]
+    for step in range(2):
+        items = []
+        for r, ((keys, values, queries, blocks), (first, prompt)) in enumerate(zip(requests, TOGETHER)):
+            logical = first + EXTRA * step
+            if step:  # EXTRA tokens appended after the kept ones, as vLLM's decode steps write them
+                for layer in range(L):
+                    held_k, held_v = gather(CpuLayout(), caches[layer], torch.tensor(blocks), lengths[r])
+                    write_(CpuLayout(), caches[layer], torch.tensor(blocks),
+                           torch.cat([held_k, keys[layer, :, first:logical]], 1),
+                           torch.cat([held_v, values[layer, :, first:logical]], 1))
+                lengths[r] += EXTRA
+            keep = policy.budget + (prompt if policy.protect_prompt else 0)
+            items.append((states[r], Compaction(f"r{r}", tuple(blocks), kv_len=lengths[r], keep=keep,
+                                                kept_blocks=len(blocks), logical_len=logical, prompt_len=prompt)))
+            lengths[r] = keep
+
+        def queries_of(layer, req_id):
+            queries, logical = requests[int(req_id[1:])][2], next(c.logical_len for _, c in items if c.req_id == req_id)
+            return queries[layer, logical - min(ring, logical):logical] if ring else None
+
+        if together:
+            compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, queries_of)
+        else:
+            for state, c in items:
+                compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
+                                 lambda layer, c=c: queries_of(layer, c.req_id))
+    return caches, states
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["triattention"])
+def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path):
+    """A step's requests scored as one batch (rows of different lengths, prompts, positions and
+    recorded queries; the shorter ones padded with dead slots) keep, in every (layer, kv head), the
+    very tokens each keeps when compressed alone, with the same fields, at both compactions; their
+    K/V land in each request's own first slots.  TriAttention: its defaults (cross-layer, the
+    prompt pinned inside the budget)."""
+    config = {"method": case, "budget": BUDGET, **CASES.get(case, {})}
+    if case == "triattention":
+        config["options"] = {"stats": _tri_stats(tmp_path)}
+    settings, requests = SieveSettings.from_config(config), _pool_requests(11)
+    ring = settings.query_window(max_model_len=max(n for n, _ in TOGETHER) + EXTRA)
+    caches_t, states_t = _compress_all(settings.policy, ring, requests, together=True)
+    # a scorer of its own (a stateful one keeps per-layer state between calls)
+    caches_a, states_a = _compress_all(SieveSettings.from_config(config).policy, ring, requests, together=False)
+    for r, (keys, values, _, blocks) in enumerate(requests):
+        assert torch.equal(states_t[r].pos, states_a[r].pos), (case, r)
+        assert states_t[r].fields.keys() == states_a[r].fields.keys()
+        for name in states_t[r].fields:
+            torch.testing.assert_close(states_t[r].fields[name], states_a[r].fields[name], rtol=1e-5, atol=1e-6)
+        keep = states_t[r].pos.shape[-1]
+        for layer in range(L):
+            k, v = gather(CpuLayout(), caches_t[layer], torch.tensor(blocks), keep)
+            for h in range(H):
+                kept = states_t[r].pos[layer, h]
+                assert torch.equal(k[h], keys[layer, h, kept]) and torch.equal(v[h], values[layer, h, kept])
+
+
+def test_requests_of_one_count_are_scored_in_one_call_per_layer(monkeypatch):
+    """Requests keeping the same count are scored together: one keep-set per layer for the three,
+    where a replaying scorer (H2O: every query since its last compaction) scores them one by one."""
+    import kvsieve.vllm.store as store
+
+    calls = []
+    real = store.keep_set
+    monkeypatch.setattr(store, "keep_set", lambda layer, *args: calls.append(layer.keys.shape[0]) or real(layer, *args))
+    requests = _pool_requests(5)
+    for method, expected in (("tova", [3] * L * 2), ("h2o", [1] * 3 * L * 2)):
+        calls.clear()
+        settings = SieveSettings.from_config({"method": method, "budget": BUDGET})
+        _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, together=True)
+        assert calls == expected, method

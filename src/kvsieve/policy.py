@@ -68,9 +68,8 @@ class Needs:
     per_token_hook : bool
         ``attach()`` yields a per-token host callback (SkipKV's sentences): kvsieve's loop only.
     slot_order_free : bool
-        Scores are per token and ignore which slot neighbours which (no pooling along the slots,
-        no partitions): the engine may evict in place (``SieveLayer.evict``), moving the newest
-        tokens into freed slots, instead of re-gathering the whole cache.
+        Scores are per token, blind to slot neighbours (no pooling, no partitions): the engine may
+        evict in place (``SieveLayer.evict``), moving the newest tokens into freed slots.
     aligned_heads : bool
         Scores are combined across kv heads slot by slot, which needs every head of a layer to
         hold the same tokens (so no ragged per-head allocator).
@@ -88,6 +87,8 @@ class Needs:
     cross_layer : bool
         Each kv head keeps the same tokens in every layer, by the mean over layers of each layer's
         scores (TriAttention's ``per_head``, ``Schedule.compress_across_layers``).
+    rows_coupled : bool
+        A row's scores read other rows (AMS's released batch segmentation): vLLM scores it alone.
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -105,6 +106,7 @@ class Needs:
     fitted_fields: tuple[str, ...] = ()
     traceable: bool = True
     cross_layer: bool = False
+    rows_coupled: bool = False
 
     @property
     def fits_budget(self) -> bool:
@@ -128,10 +130,8 @@ class Defaults:
         own rule, used as it returns (LazyEviction: W, refusing a budget below 2W).
     compress_prefill : bool
         Compress the prompt right after prefill when it exceeds the budget.
-    protect_prompt : bool
-        Keep every prompt token outside the budget (each method file cites its value).
-    pin_prompt : bool
-        Keep every prompt token inside the budget (``Policy.pin_prompt``).
+    protect_prompt, pin_prompt : bool
+        Keep every prompt token outside the budget (each method file cites its value), or inside it.
     prefill_block : int
         m > 0: block-wise prefill eviction on by default, in blocks of m (CAOTE Sec. 4.1: 128).
     recent_doc, interval_doc : str

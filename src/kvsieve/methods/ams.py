@@ -180,7 +180,9 @@ class AMS(WrappingScorer):
         self.wrap(self.prefix, inner, example="expected",
                   meta={**inner.needs.meta, **({CREDIT: 0.0} if self.use_credit else {})},
                   query_window=max(self.mass_window, inner.needs.query_window),
-                  slot_order_free=False, aligned_heads=False)
+                  slot_order_free=False, aligned_heads=False,
+                  # the released code's batch-mean segments and batch-wide suffix maximum read every row
+                  rows_coupled=inner.needs.rows_coupled or self.segmentation == "batch" or self.padding == "suffix")
 
     def score(self, layer, seen_tokens):
         """The base's scores g [B, H_kv, cap] (Alg. 1 line 32): the base sees only its own query

@@ -70,23 +70,52 @@ def _slots(block_ids: torch.Tensor, idx: torch.Tensor, block_size: int) -> tuple
     return block_ids[torch.div(idx, block_size, rounding_mode="floor")], idx % block_size
 
 
+def block_table(block_ids: list) -> torch.Tensor:
+    """[R, most blocks] int64: each request's blocks (a sequence of ids each), a shorter row padded
+    with its own first block, which only its dead padding slots read."""
+    most = max(len(ids) for ids in block_ids)
+    return torch.tensor([list(ids) + [ids[0]] * (most - len(ids)) for ids in block_ids], dtype=torch.long)
+
+
+def gather_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor,
+                live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the first tokens of R requests in one layer, in one gather: keys, values
+    [R, H_kv, S, D].  table: [R, blocks] each request's blocks (``block_table``); live: [R, S] the
+    slots each request holds (its first ones); the others are zero."""
+    keys, values = layout.key_value(kv_cache)
+    block_size = keys.shape[2]
+    idx = torch.arange(live.shape[-1]).expand_as(live).masked_fill(~live, 0)  # [R, S]: padding reads slot 0
+    blk, off = table.gather(-1, torch.div(idx, block_size, rounding_mode="floor")), idx % block_size
+    dead = ~live[:, :, None, None]
+    return (keys[blk, :, off].masked_fill_(dead, 0).transpose(1, 2),  # [R, S, H, D] -> [R, H, S, D]
+            values[blk, :, off].masked_fill_(dead, 0).transpose(1, 2))
+
+
 def gather(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the first ``length`` tokens of one request in one layer: keys, values [H_kv, length, D]."""
-    keys, values = layout.key_value(kv_cache)
-    blk, off = _slots(block_ids, torch.arange(length, device=block_ids.device), keys.shape[2])
-    return keys[blk, :, off].transpose(0, 1), values[blk, :, off].transpose(0, 1)
+    keys, values = gather_rows(layout, kv_cache, block_ids[None], torch.ones(1, length, dtype=torch.bool))
+    return keys[0], values[0]
+
+
+def write_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+    """In place, in one scatter: request ``r``'s first ``K`` slots of one layer get ``keys[r]``,
+    ``values[r]`` ([R, H_kv, K, D]); table: [R, blocks] each request's blocks (``block_table``;
+    requests hold disjoint blocks)."""
+    key_cache, value_cache = layout.key_value(kv_cache)
+    R, H, K = keys.shape[:3]
+    slot = torch.arange(K, device=keys.device)
+    blk = table[:, torch.div(slot, key_cache.shape[2], rounding_mode="floor")][:, None, :]  # [R, 1, K]
+    off = (slot % key_cache.shape[2])[None, None, :]  # [1, 1, K]
+    heads = torch.arange(H, device=keys.device)[None, :, None]  # [1, H, 1]: the three index [R, H, K]
+    key_cache[blk, heads, off] = keys
+    value_cache[blk, heads, off] = values
 
 
 def write_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor) -> None:
     """In place: the request's first ``K`` slots of one layer get ``keys``, ``values`` [H_kv, K, D]."""
-    key_cache, value_cache = layout.key_value(kv_cache)
-    num_heads, k = keys.shape[:2]
-    heads = torch.arange(num_heads, device=keys.device)[:, None].expand(num_heads, k)
-    dst_blk, dst_off = _slots(block_ids, torch.arange(k, device=keys.device), key_cache.shape[2])
-    dst_blk, dst_off = dst_blk[None].expand(num_heads, k), dst_off[None].expand(num_heads, k)
-    key_cache[dst_blk, heads, dst_off] = keys
-    value_cache[dst_blk, heads, dst_off] = values
+    write_rows(layout, kv_cache, block_ids[None], keys[None], values[None])
 
 
 def compact_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep: torch.Tensor) -> None:

@@ -255,17 +255,25 @@ class SieveSettings:
 
 
 def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomputed: bool = False,
-               prompt_len: int = 0) -> int | None:
+               prompt_len: int = 0, block_size: int | None = None) -> int | None:
     """Tokens every (layer, kv head) of a request keeps when it is compressed now, or None when it
     is not.  Called by the scheduler before each step, for a request whose KV holds all its tokens
     but the last sampled one (its prompt done): ``kv_len`` tokens in its blocks, ``decode_steps``
-    tokens generated into its KV since the prompt of ``prompt_len`` tokens.  kvsieve's schedule
-    (``schedule.Schedule``): after the prompt when ``compress_prefill``, then every ``interval``
-    decode steps, down to the budget (+ the prompt with ``protect_prompt``: ``Schedule.bound``)
-    when over it.  The count is known here, before any score is computed, so the scheduler frees
-    the tail blocks itself and the worker only fills the kept slots.  ``recomputed``: the request
-    was preempted and has just recomputed its prompt and outputs at full length, which an
-    unpreempted request never holds: it is compressed at once.
+    tokens generated into its KV since the prompt of ``prompt_len`` tokens.  The count is the
+    budget (+ the prompt with ``protect_prompt``: ``Schedule.bound``), known here before any score
+    is computed, so the scheduler frees the tail blocks itself and the worker only fills the kept
+    slots.  When it is due:
+
+    * after the prompt when ``compress_prefill`` (the prompt's surplus blocks go back at once);
+    * ``recomputed``: the request was preempted and has just recomputed its prompt and outputs at
+      full length, which an unpreempted request never holds: at once;
+    * with an interval set (server or request): every ``interval`` decode steps while over the
+      count, kvsieve's schedule (``schedule.Schedule``), as in the transformers engine;
+    * with none set and the scheduler's ``block_size`` given, the serving default (``block_due``):
+      when this step's token would need a new block, once the request holds at least the
+      method's own interval over the count.  Memory is taken a block at a time, so compacting
+      earlier frees nothing; a request holds at most one block above its count (budget <= its
+      blocks' tokens < budget + block_size for methods whose interval is below a block).
 
     A scorer without a budget that declares a count rule (``Needs.count_rule``, LagKV) keeps that
     rule's count of the request's ``prompt_len + decode_steps`` tokens seen instead, on the same
@@ -282,9 +290,26 @@ def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomput
         bound = policy.scorer.needs.count_rule(prompt_len + decode_steps)
     if kv_len <= bound:
         return None
-    due = (recomputed or (decode_steps == 0 and policy.compress_prefill)
-           or (decode_steps > 0 and decode_steps % policy.interval == 0))
+    if recomputed or (decode_steps == 0 and policy.compress_prefill):
+        return bound
+    if decode_steps == 0:
+        return None
+    if settings.interval is None and block_size:
+        due = block_due(kv_len, bound, policy.interval, block_size)
+    else:
+        due = decode_steps % policy.interval == 0
     return bound if due else None
+
+
+def block_due(kv_len: int, bound: int, interval: int, block_size: int) -> bool:
+    """The serving default's rule: a request of ``kv_len`` tokens over its count ``bound`` is
+    compacted when the token it writes next opens a new block (``kv_len`` a multiple of
+    ``block_size``) and it holds at least the method's ``interval`` tokens over the count.  For
+    an interval up to a block (StreamingLLM, TOVA, H2O: 1) that is every block's worth of tokens,
+    and the request never asks the pool for a block above ``ceil((bound + 1) / block_size)``;
+    a longer interval (AMS and Expected Attention's 512, capped at budget / 2) is kept, rounded
+    up to the next block."""
+    return kv_len % block_size == 0 and kv_len - bound >= interval
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,7 @@ class SieveScheduler(Scheduler):
                 self.sieve_preemptions[req_id] = request.num_preemptions
             overrides, settings = self._settings_of(req_id)
             keep = keep_count(settings, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
-                              prompt_len=request.num_prompt_tokens)
+                              prompt_len=request.num_prompt_tokens, block_size=self.block_size)
             if keep is None or keep >= kv_len:
                 continue
             block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])

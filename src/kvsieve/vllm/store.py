@@ -1,22 +1,23 @@
-"""The vLLM adapter of kvsieve's store protocol (``kvsieve.engine``): one request's paged KV as
-the schedule reads it, at the moment the scheduler compresses it.  Plain torch: no vLLM import.
+"""The vLLM adapter of kvsieve's store protocol (``kvsieve.engine``): the paged KV of the requests
+the scheduler compresses in one step, as the schedule reads it.  Plain torch: no vLLM import.
 
-For each layer of the request, ``request_layer`` builds a read-only ``engine.LayerReader`` (a
-``cache.LayerView`` of one row): keys and values gathered dense, ``[1, H_kv, kv_len, D]``, from the
-request's blocks (``paged.gather``); each slot's logical position and each per-token field the
-scorer declares (``Needs.meta``), kept per request between compactions (``RequestState``); the
-request's recorded post-RoPE queries (``attention.QueryRecorder``) where the scorer declares
-``Needs.query_window``.  kvsieve's own schedule then chooses the kept slots
-(``schedule.keep_set``: the scorer, ``protected_scores``'s sinks, recent window and protected
-prompt, the top ``keep`` or the scorer's own ``select``), with the count the scheduler fixed,
-equal in every (layer, kv head) (one block table per request: AMS Appendix E), and
-``compress_request`` writes them into the request's first slots (``paged.write_``), the
-positions and fields moving with them.  No method's math is written here.
+The requests of one step that keep the same count are compressed together (``_Batch``), each a
+row of one read-only ``engine.LayerReader`` (a ``cache.LayerView``) per layer: keys and values
+gathered dense, ``[R, H_kv, S, D]``, from every request's blocks in one gather
+(``paged.gather_rows``; a shorter request's padding slots are dead); each slot's logical position
+and each per-token field the scorer declares (``Needs.meta``), kept per request between
+compactions (``RequestState``); each request's recorded post-RoPE queries
+(``attention.QueryRecorder``) where the scorer declares ``Needs.query_window``.  kvsieve's own
+schedule then chooses every row's kept slots at once (``schedule.keep_set``: the scorer,
+``protected_scores``'s sinks, recent window and protected prompt, the top ``keep`` or the
+scorer's own ``select``), with the count the scheduler fixed, equal in every (layer, kv head)
+(one block table per request: AMS Appendix E), and one scatter per layer writes them into each
+request's first slots (``paged.write_rows``), the positions and fields moving with them.  No
+method's math is written here.
 
-Scorers that observe attention rows are served when they keep only the newest query's row
-(``Needs.observes_last_only``, TOVA): that row is recomputed here from the last recorded query
-over the request's KV, exactly the row kvsieve's own engine hands ``observe`` before the same
-compression.  Every slot of a request is live (its length is its KV length), so no slot is dead.
+Scorers that observe attention rows get them recomputed here from the recorded queries: the
+newest row alone for TOVA (``Needs.observes_last_only``, batched), every row since the last
+compaction for H2O, LazyEviction and RaaS (``observe_since``, one request at a time).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from ..attention import attention_probs, visible
 from ..cache import DEAD_POS, LayerView
 from ..schedule import cross_layer_scores, keep_set
-from .paged import Layout, gather, write_
+from .paged import Layout, block_table, gather_rows, write_rows
 from .plan import Compaction
 
 
@@ -60,45 +61,23 @@ class RequestState:
         return tail if name not in self.fields else torch.cat([self.fields[name], tail], dim=-1)
 
 
-def request_layer(keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, fields: dict[str, torch.Tensor],
-                  queries: torch.Tensor | None, logical_len: int, scaling: float, layer_idx: int,
-                  prompt_len: int | None = None) -> LayerView:
-    """One request's layer as a scorer reads it (``engine.LayerReader``), a batch of one row.
-
-    keys, values: [H_kv, S, D] (S = KV length); pos: [H_kv, S]; fields: {name: [H_kv, S]} (the view
-    holds them as [1, H_kv, S] views, so a scorer's writes reach ``fields``); queries: [n, H_q, D]
-    the request's last n post-RoPE queries, oldest first, at positions logical_len - n .. logical_len - 1
-    (vLLM records every query row in position order), or None; prompt_len: the request's prompt when
-    the policy keeps it (``LayerReader.prompt_len``), else None."""
-    H, S = pos.shape
-    recent = recent_pos = None
-    if queries is not None:
-        n = queries.shape[0]
-        recent = queries.permute(1, 0, 2)[None]  # [1, H_q, n, D]
-        recent_pos = torch.arange(logical_len - n, logical_len)[None]  # [1, n]
-    meta = {"pos": pos[None], **{name: t[None] for name, t in fields.items()}}
-    return LayerView(keys[None], values[None], torch.full((1, H), S, dtype=torch.long), meta, {}, recent, recent_pos,
-                     scaling, {}, layer_idx, S, prompt_len=None if prompt_len is None else torch.tensor([prompt_len]))
-
-
 def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: int, since: int,
                   prompt_len: int) -> None:
-    """Hand ``scorer.observe`` the attention rows of the request's queries at positions ``since`` ..
+    """Hand ``scorer.observe`` the attention rows of one request's queries at positions ``since`` ..
     ``logical_len - 1`` (those after its last compaction), as kvsieve's engine does: the prompt's
-    (positions below ``prompt_len``) in one call, then one call per decode query; only the newest
-    for a scorer that keeps the newest row alone (``observes_last_only``).
+    (positions below ``prompt_len``) in one call, then one call per decode query.  ``layer`` is a
+    batch of one row (the rows' replays differ in length, so requests are replayed one by one).
 
     queries: [n, H_q, D] the request's recorded queries, oldest first, at positions
     ``logical_len - n`` .. ``logical_len - 1``; each call's rows are [1, H_kv, G, T, S].  Each call
     sees the layer as it was then: slots appended after the call's last query are dead (their
     position DEAD_POS), so a scorer's ``live()`` and its writes leave them at their initial state."""
     n = queries.shape[0]
-    first = logical_len - 1 if scorer.needs.observes_last_only else since
-    if n == 0 or first < logical_len - n:
-        raise RuntimeError(f"kvsieve: {scorer.name} observes the queries from position {first} on, but only the "
+    if n == 0 or since < logical_len - n:
+        raise RuntimeError(f"kvsieve: {scorer.name} observes the queries from position {since} on, but only the "
                            f"last {n} of {logical_len} were recorded")
-    calls = [(first, min(prompt_len, logical_len))] if first < prompt_len else []
-    calls += [(p, p + 1) for p in range(max(first, prompt_len), logical_len)]
+    calls = [(since, min(prompt_len, logical_len))] if since < prompt_len else []
+    calls += [(p, p + 1) for p in range(max(since, prompt_len), logical_len)]
     pos = layer.meta["pos"]  # [1, H_kv, S]
     for start, end in calls:
         rows = queries[start - (logical_len - n):end - (logical_len - n)]  # [T, H_q, D]
@@ -109,56 +88,144 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
         layer.meta.update({name: t for name, t in then.meta.items() if name != "pos"})  # fields a scorer replaced
 
 
+def observe_last(scorer, layer: LayerView, last: torch.Tensor, seen: torch.Tensor) -> None:
+    """Hand ``scorer.observe`` each row's newest attention row, for a scorer that keeps only that
+    one (``Needs.observes_last_only``, TOVA): last [R, H_q, D] each request's newest query, at
+    position ``seen - 1`` ([R]); every slot of a request is at or before it, its padding dead."""
+    qpos = (seen - 1)[:, None]  # [R, 1]
+    allowed = visible(layer.meta["pos"], qpos, layer.sliding_window)  # [R, H_kv, 1, S]
+    scorer.observe(layer, attention_probs(last[:, :, None], layer.keys, allowed, layer.scaling), qpos)
+
+
+def alone(policy) -> bool:
+    """Whether the policy's requests are compressed one by one: a scorer that replays every query
+    since the last compaction (H2O, LazyEviction, RaaS: each request's replay has its own length)
+    or whose rows read each other (``Needs.rows_coupled``).  Every other scorer scores each row
+    from that row alone, so requests compressed in one step are scored as one batch."""
+    needs = policy.scorer.needs
+    return (needs.observes and not needs.observes_last_only) or needs.rows_coupled
+
+
+def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
+                      requests: list[tuple[RequestState, Compaction]],
+                      queries_of: Callable[[int, str], torch.Tensor | None]) -> None:
+    """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
+    (layer, kv head): requests that keep the same count and hold as many recorded queries are
+    compressed together (``_Batch``: per layer one gather, one scoring, one write for all of
+    them), unless the policy's requests go ``alone``.
+
+    policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read
+    through ``layout``; scalings: each layer's softmax scale; requests: each request's positions
+    and fields (updated to its kept slots) and its compaction; queries_of(layer, req_id): the
+    request's recorded queries [n, H_q, D] in that layer, all its ring holds (None when the
+    scorer reads none)."""
+    needs = policy.scorer.needs
+    reads_queries = bool(needs.query_window or needs.observes)
+    groups: dict[tuple, list[tuple[RequestState, Compaction]]] = {}
+    for i, (state, c) in enumerate(requests):
+        held = queries_of(0, c.req_id).shape[0] if reads_queries else 0
+        groups.setdefault((i,) if alone(policy) else (c.keep, held), []).append((state, c))
+    for group in groups.values():
+        _Batch(policy, layout, caches, group).compress(scalings, queries_of)
+
+
 def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
                      state: RequestState, c: Compaction,
                      queries_of: Callable[[int], torch.Tensor | None]) -> None:
-    """Compress one request in place, layer by layer, to ``c.keep`` tokens per (layer, kv head).
+    """One request alone (``compress_requests`` with one): queries_of(layer) its recorded queries."""
+    compress_requests(policy, layout, caches, scalings, [(state, c)], lambda layer, _: queries_of(layer))
 
-    policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read through
-    ``layout``; scalings: each layer's softmax scale; state: the request's positions and fields,
-    updated to the kept slots; queries_of(layer): the request's recorded queries [n, H_q, D] in that
-    layer, all the ring holds (None when the scorer reads none).  A cross-layer scorer
-    (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer read first, and every layer
-    keeps the tokens of the mean of their scores (``schedule.cross_layer_scores``)."""
-    scorer, needs = policy.scorer, policy.scorer.needs
-    L, H = len(caches), caches[0].shape[1]
-    block_ids = torch.tensor(c.block_ids, dtype=torch.long)
-    positions = state.positions(c.kv_len, L, H)  # [L, H, kv_len]
-    fields = {name: state.field(name, init, c.kv_len, L, H) for name, init in needs.meta.items()}
-    kept_prompt = c.prompt_len if policy.protect_prompt or policy.pin_prompt else None
-    prompt_len = torch.tensor([c.prompt_len]) if policy.protect_prompt else None
-    pinned = torch.tensor([min(c.prompt_len, policy.budget)]) if policy.pin_prompt else None
-    seen = torch.tensor([c.logical_len])  # [1]: the next token's position
-    # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
-    budget = policy.budget if needs.uses_budget else c.keep
 
-    def read(layer: int) -> LayerView:
-        """Layer ``layer`` of the request as the scorer reads it, its attention rows observed."""
-        keys, values = gather(layout, caches[layer], block_ids, c.kv_len)  # [H, kv_len, D] copies
-        queries = queries_of(layer) if needs.query_window or needs.observes else None  # [n, H_q, D]
-        window = None if not needs.query_window else queries[queries.shape[0] - min(needs.query_window,
-                                                                                    queries.shape[0]):]
-        view = request_layer(keys, values, positions[layer], {n: t[layer] for n, t in fields.items()},
-                             window, c.logical_len, scalings[layer], layer, kept_prompt)
-        if needs.observes:
-            observe_since(scorer, view, queries, c.logical_len, state.next_pos, c.prompt_len)
+class _Batch:
+    """R requests compressed together, each a row of one ``LayerView`` per layer: keys and values
+    gathered from every request's blocks into [R, H_kv, S, D] (S: the longest KV length; a shorter
+    request's padding slots are dead, at DEAD_POS and zero), its positions and fields beside them,
+    its recorded queries as the row's recent queries.  kvsieve's schedule then scores every row at
+    once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one scatter per layer writes each
+    request's kept slots into its own first slots (``paged.write_rows``), the slots' positions and
+    fields moving with them.  Each request keeps its ``keep`` (the same in the batch); the count
+    and the choice are per row, so a batch keeps what each request alone keeps."""
+
+    def __init__(self, policy, layout: Layout, caches: list[torch.Tensor],
+                 requests: list[tuple[RequestState, Compaction]]):
+        self.policy, self.layout, self.caches = policy, layout, caches
+        self.states, self.cs = [s for s, _ in requests], [c for _, c in requests]
+        L, H = len(caches), caches[0].shape[1]
+        R, S = len(self.cs), max(c.kv_len for c in self.cs)
+        self.keep = self.cs[0].keep
+        self.lengths = torch.tensor([c.kv_len for c in self.cs])  # [R]
+        self.live = torch.arange(S)[None] < self.lengths[:, None]  # [R, S]
+        self.table = block_table([c.block_ids for c in self.cs])  # [R, max blocks]
+        self.seen = torch.tensor([c.logical_len for c in self.cs])  # [R]: each next token's position
+        needs = policy.scorer.needs
+        self.pos = torch.stack([pad(st.positions(c.kv_len, L, H), S, DEAD_POS)
+                                for st, c in requests], dim=1)  # [L, R, H, S]
+        self.fields = {name: torch.stack([pad(st.field(name, init, c.kv_len, L, H), S, init)
+                                          for st, c in requests], dim=1)  # [L, R, H, S]
+                       for name, init in needs.meta.items()}
+        prompts = torch.tensor([c.prompt_len for c in self.cs])  # [R]
+        self.kept_prompt = prompts if policy.protect_prompt or policy.pin_prompt else None
+        self.prompt_len = prompts if policy.protect_prompt else None
+        self.pinned = prompts.clamp(max=policy.budget) if policy.pin_prompt else None
+
+    def read(self, layer: int, scaling: float, queries_of) -> LayerView:
+        """Layer ``layer`` of every request as the scorer reads it (``engine.LayerReader``), its
+        attention rows observed."""
+        policy, needs = self.policy, self.policy.scorer.needs
+        keys, values = gather_rows(self.layout, self.caches[layer], self.table, self.live)  # [R, H, S, D]
+        rings = [queries_of(layer, c.req_id) for c in self.cs] if needs.query_window or needs.observes else None
+        recent = recent_pos = None
+        if needs.query_window:
+            n = min(needs.query_window, rings[0].shape[0])
+            recent = torch.stack([ring[ring.shape[0] - n:] for ring in rings]).permute(0, 2, 1, 3)  # [R, H_q, n, D]
+            recent_pos = self.seen[:, None] - n + torch.arange(n)[None]  # [R, n]
+        R, H, S = self.pos.shape[1:]
+        meta = {"pos": self.pos[layer], **{name: t[layer] for name, t in self.fields.items()}}
+        view = LayerView(keys, values, self.lengths[:, None].expand(R, H), meta, {}, recent, recent_pos, scaling, {},
+                         layer, S, prompt_len=self.kept_prompt)
+        if needs.observes_last_only:
+            observe_last(policy.scorer, view, torch.stack([ring[-1] for ring in rings]), self.seen)
+        elif needs.observes:  # alone: a batch of one
+            observe_since(policy.scorer, view, rings[0], self.cs[0].logical_len, self.states[0].next_pos,
+                          self.cs[0].prompt_len)
         return view
 
-    views = [read(layer) for layer in range(L)] if needs.cross_layer else None
-    scores = None if views is None else cross_layer_scores(views, policy, seen,
-                                                           prompt_len if pinned is None else pinned)
-    new_pos, new_fields = [], {name: [] for name in fields}
-    for layer, cache in enumerate(caches):
-        view = read(layer) if views is None else views[layer]
-        keys, values = view.keys[0], view.values[0]  # [H, kv_len, D]
-        kept = keep_set(view, policy, budget, seen, prompt_len, pinned, scores)[0]  # [H, keep], slot order
-        if kept.shape[-1] != c.keep:
-            raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned {c.keep}")
-        heads = torch.arange(H)[:, None]
-        write_(layout, cache, block_ids, keys[heads, kept], values[heads, kept])
-        new_pos.append(positions[layer].gather(-1, kept))
-        for name in fields:  # a scorer may have replaced a field in the view's dict (AMS's credit)
-            new_fields[name].append(view.meta[name][0].gather(-1, kept))
-    state.pos = torch.stack(new_pos)  # [L, H, keep]
-    state.fields = {name: torch.stack(t) for name, t in new_fields.items()}
-    state.next_pos = c.logical_len
+    def compress(self, scalings: list[float], queries_of) -> None:
+        """Every layer's keep-set, written into the requests' first slots; the states updated.  A
+        cross-layer scorer (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer
+        read first, and every layer keeps the tokens of the mean of their scores
+        (``schedule.cross_layer_scores``)."""
+        policy, needs = self.policy, self.policy.scorer.needs
+        # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
+        budget = policy.budget if needs.uses_budget else self.keep
+        views = [self.read(layer, scalings[layer], queries_of) for layer in range(len(self.caches))] \
+            if needs.cross_layer else None
+        scores = None if views is None else cross_layer_scores(
+            views, policy, self.seen, self.prompt_len if self.pinned is None else self.pinned)
+        new_pos, new_fields = [], {name: [] for name in self.fields}
+        for layer, cache in enumerate(self.caches):
+            view = self.read(layer, scalings[layer], queries_of) if views is None else views[layer]
+            kept = keep_set(view, policy, budget, self.seen, self.prompt_len, self.pinned, scores)  # [R, H, keep]
+            if kept.shape[-1] != self.keep:
+                raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned "
+                                   f"{self.keep}")
+            write_rows(self.layout, cache, self.table, take(view.keys, kept), take(view.values, kept))
+            new_pos.append(self.pos[layer].gather(-1, kept))
+            for name in self.fields:  # a scorer may have replaced a field in the view's dict (AMS's credit)
+                new_fields[name].append(view.meta[name].gather(-1, kept))
+        pos = torch.stack(new_pos, dim=1)  # [R, L, H, keep]
+        fields = {name: torch.stack(t, dim=1) for name, t in new_fields.items()}
+        for r, (state, c) in enumerate(zip(self.states, self.cs)):
+            state.pos = pos[r]
+            state.fields = {name: t[r] for name, t in fields.items()}
+            state.next_pos = c.logical_len
+
+
+def pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
+    """``t`` [..., n] padded with ``value`` to [..., length]."""
+    return torch.nn.functional.pad(t, (0, length - t.shape[-1]), value=value)
+
+
+def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t [R, H, S, D] at slots idx [R, H, K]: [R, H, K, D]."""
+    return t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))

@@ -8,9 +8,11 @@ platform uses while Triton has no CPU backend).
 Per step (docs/vllm-design.md, "The worker"):
 
 1. ``execute_model``: forget finished and resumed requests; apply each ``Compaction`` of the plan:
-   kvsieve's scorer and schedule choose every (layer, kv head)'s kept tokens over the request's
-   paged KV, which move into the request's first slots (``store.compress_request``), then cut the request's block-table row to the kept blocks (the scheduler has
-   cut its own list the same way, so this step's new blocks append after them);
+   kvsieve's scorer and schedule choose every (layer, kv head)'s kept tokens over the requests'
+   paged KV, the requests of one policy scored together, and they move into each request's first
+   slots (``store.compress_requests``); then each request's block-table row is cut to its kept
+   blocks (the scheduler has cut its own list the same way, so this step's new blocks append
+   after them);
 2. vLLM's ``_prepare_inputs`` computes positions, slot mapping and sequence lengths from the logical
    ``num_computed_tokens``; ``_prepare_inputs`` here then subtracts each request's offset from the
    sequence lengths and recomputes the slot mapping from ``position - offset``, leaving the
@@ -34,7 +36,7 @@ from .attention import QueryRecorder, SieveCPUAttentionImpl, install
 from .paged import CpuLayout
 from .plan import Compaction, SieveSettings
 from .scheduler import settings_of
-from .store import RequestState, compress_request
+from .store import RequestState, compress_requests
 
 logger = init_logger(__name__)
 _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
@@ -109,34 +111,40 @@ class SieveCPUModelRunner(CPUModelRunner):
             self.sieve_request_policies[c.req_id] = self.sieve.for_request(c.overrides).policy
         return self.sieve_request_policies[c.req_id]
 
-    def _sieve_compact(self, c: Compaction) -> None:
-        """Compress request ``c.req_id`` with the served method (``store.compress_request``: kvsieve's
-        scorer and schedule over its paged KV), then cut its block-table row to the kept blocks."""
-        req_state = self.requests[c.req_id]
-        if list(req_state.block_ids[0]) != list(c.block_ids):
-            raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
+    def _sieve_compact(self, compactions: list[Compaction]) -> None:
+        """Compress this step's requests with the served method (``store.compress_requests``:
+        kvsieve's scorer and schedule over their paged KV, the requests of one policy together),
+        then cut each request's block-table row to its kept blocks."""
+        by_policy: dict[int, tuple[Policy, list]] = {}
+        for c in compactions:
+            req_state = self.requests[c.req_id]
+            if list(req_state.block_ids[0]) != list(c.block_ids):
+                raise RuntimeError(f"kvsieve: request {c.req_id}'s blocks differ between scheduler and worker")
+            policy = self._sieve_policy_of(c)
+            by_policy.setdefault(id(policy), (policy, []))[1].append(
+                (self.sieve_requests.setdefault(c.req_id, RequestState()), c))
         names, caches = self._sieve_layers()
         context = self.compilation_config.static_forward_context
+        scalings = [float(context[n].impl.scale) for n in names]
         recorder = self.sieve_recorder
-        compress_request(self._sieve_policy_of(c), self.sieve_layout, caches,
-                         [float(context[n].impl.scale) for n in names],
-                         self.sieve_requests.setdefault(c.req_id, RequestState()), c,
-                         lambda layer: None if recorder is None else recorder.recent(layer, c.req_id))
-        # the request's block-table row: the kept blocks (the scheduler cut its list the same way)
-        for ids in req_state.block_ids:
-            del ids[c.kept_blocks:]
-        row = self.input_batch.req_id_to_index.get(c.req_id)
-        if row is not None:
-            self.input_batch.block_table.add_row(req_state.block_ids, row)
-        self.sieve_stats["compactions"] += 1
+        for policy, requests in by_policy.values():
+            compress_requests(policy, self.sieve_layout, caches, scalings, requests,
+                              lambda layer, req_id: None if recorder is None else recorder.recent(layer, req_id))
+        for c in compactions:  # the block-table rows: the kept blocks (the scheduler cut its lists the same way)
+            req_state = self.requests[c.req_id]
+            for ids in req_state.block_ids:
+                del ids[c.kept_blocks:]
+            row = self.input_batch.req_id_to_index.get(c.req_id)
+            if row is not None:
+                self.input_batch.block_table.add_row(req_state.block_ids, row)
+        self.sieve_stats["compactions"] += len(compactions)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         plan = getattr(scheduler_output, "kvsieve_plan", None)
         self._sieve_forget(scheduler_output)
         self.sieve_offsets = {} if plan is None else plan.offsets
-        if plan is not None:
-            for compaction in plan.compactions:
-                self._sieve_compact(compaction)
+        if plan is not None and plan.compactions:
+            self._sieve_compact(plan.compactions)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     # ------------------------------------------------------------------ the two lengths
