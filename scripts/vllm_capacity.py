@@ -6,7 +6,8 @@ stepped in-process so the scheduler's queues and block pool can be read each ste
 
 Prints one JSON line per method: peak running requests, the largest batch that ran to its end
 without a preemption, steps with requests waiting, preemptions, peak blocks in use, wall time and
-output tokens/s.  Run both methods in one call: ratios between runs on a shared machine are only
+output tokens/s, and the compactions with the share of step time spent compacting (the
+worker's own timers).  Run both methods in one call: ratios between runs on a shared machine are only
 meaningful within one call.  ``scripts/vllm_bench.py`` builds the issue's benchmark on ``measure``.
 """
 
@@ -30,12 +31,13 @@ PROMPTS = [
 TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
 
 
-def make_engine(method: str, budget: int | None, *, kv_blocks: int, block_size: int, interval: int,
+def make_engine(method: str, budget: int | None, *, kv_blocks: int, block_size: int, interval: int | None,
                 settings: dict | None = None):
     """An in-process ``vllm.LLM`` on the bundled SmolLM2-135M (fp32, eager) whose KV space is
     ``kv_blocks`` usable blocks of ``block_size`` tokens: plain vLLM (prefix caching off) when
     ``method`` is "plain", else kvsieve's classes serving ``method`` at ``budget`` with
-    ``interval`` and the method's other ``settings`` (``engine_kwargs`` keywords)."""
+    ``interval`` (None: the serving default, a compaction when a request's next token needs a
+    block) and the method's other ``settings`` (``engine_kwargs`` keywords)."""
     from vllm import LLM
 
     from kvsieve.models import ensure_bundled
@@ -45,9 +47,9 @@ def make_engine(method: str, budget: int | None, *, kv_blocks: int, block_size: 
     if method != "plain":
         extra = engine_kwargs(method, budget, interval=interval, **(settings or {}))
     # one block more than asked: vLLM keeps block 0 as its null block.  vLLM refuses a pool smaller
-    # than one max_model_len request, so max_model_len is the pool.
+    # than one max_model_len request, so max_model_len is the pool, up to the model's 8,192 positions.
     return LLM(model=str(ensure_bundled("smollm2-135m")), dtype="float32", enforce_eager=True,
-               max_model_len=kv_blocks * block_size, block_size=block_size,
+               max_model_len=min(kv_blocks * block_size, 8192), block_size=block_size,
                kv_cache_memory_bytes=(kv_blocks + 1) * TOKEN_BYTES * block_size, seed=0, **extra)
 
 
@@ -97,13 +99,16 @@ def measure(llm, requests: int, new_tokens: int) -> dict:
                 preemptions[r.request_id] = r.num_preemptions
                 last_preempted[r.request_id] = step
     wall = time.perf_counter() - t0
+    worker = llm.collective_rpc("kvsieve_stats")[0] if hasattr(scheduler, "sieve_stats") else {}
+    share = round(worker["compact_s"] / worker["step_s"], 4) if worker.get("step_s") else None
     return {"requests": requests, "new_tokens": new_tokens, "pool_blocks": total,
             "peak_running": max(map(len, running), default=0),
             "largest_batch_no_preemption": largest_batch_without_preemption(running, last_preempted),
             "steps": len(running), "steps_with_waiting": waiting_steps, "preemptions": sum(preemptions.values()),
             "peak_blocks": peak_blocks, "all_blocks_back": pool.get_num_free_blocks() == total,
             "short_requests": short, "wall_s": round(wall, 1), "tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 1)}
+            "tokens_per_s": round(tokens / wall, 1), "compactions": worker.get("compactions"),
+            "compacting_share": share}
 
 
 def close(llm) -> None:
@@ -133,7 +138,8 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=40, help="usable KV blocks (the fixed KV space)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--budget", type=int, default=64)
-    ap.add_argument("--interval", type=int, default=16)
+    ap.add_argument("--interval", type=int, default=None,
+                    help="decode steps between compactions (default: when a request's next token needs a block)")
     ap.add_argument("--methods", default="plain,streaming")
     args = ap.parse_args()
     for method in args.methods.split(","):

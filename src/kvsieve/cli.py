@@ -431,7 +431,8 @@ def serve(
     budget: Optional[int] = typer.Option(None, help="KV tokens kept per (request, layer, kv head); "
                                                     "lagkv: its L and r fitted to it (--set horizon=N)."),
     sinks: Optional[int] = typer.Option(None, help="Protected first tokens (default: kvsieve.vllm's)."),
-    interval: Optional[int] = typer.Option(None, help="Compress every N decode steps (default: kvsieve.vllm's)."),
+    interval: Optional[int] = typer.Option(None, help="Compress every N decode steps (default: when a request's "
+                                           "next token needs a new block, at least the method's own interval apart)."),
     set_: List[str] = typer.Option([], "--set", help="Another kvsieve.vllm setting key=value (repeatable)."),
 ):
     """vLLM's OpenAI-compatible server with a kvsieve method active (in the vLLM environment: make

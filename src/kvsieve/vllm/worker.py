@@ -22,6 +22,7 @@ Per step (docs/vllm-design.md, "The worker"):
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import psutil
@@ -40,6 +41,7 @@ from .store import RequestState, compress_requests
 
 logger = init_logger(__name__)
 _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
+LOG_EVERY_S = 30.0  # how often the worker logs the share of step time spent compacting
 
 
 class SieveCPUModelRunner(CPUModelRunner):
@@ -52,7 +54,10 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_request_policies: dict[str, Policy] = {}  # req_id -> its own Policy (kvsieve_* keys)
         self.sieve_offsets: dict[str, int] = {}
         self.sieve_recorder: QueryRecorder | None = None
-        self.sieve_stats = {"compactions": 0}
+        # compactions applied; seconds spent compacting and in whole steps (execute_model), logged
+        # every LOG_EVERY_S as the share of step time spent compacting
+        self.sieve_stats = {"compactions": 0, "compact_s": 0.0, "step_s": 0.0, "steps": 0}
+        self.sieve_logged = time.monotonic()
 
     # ------------------------------------------------------------------ KV access
     def _sieve_layers(self) -> tuple[list[str], list[torch.Tensor]]:
@@ -140,12 +145,35 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_stats["compactions"] += len(compactions)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        start = time.perf_counter()
         plan = getattr(scheduler_output, "kvsieve_plan", None)
         self._sieve_forget(scheduler_output)
         self.sieve_offsets = {} if plan is None else plan.offsets
         if plan is not None and plan.compactions:
             self._sieve_compact(plan.compactions)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+            self.sieve_stats["compact_s"] += time.perf_counter() - start
+        output = super().execute_model(scheduler_output, *args, **kwargs)
+        self._sieve_time(start)
+        return output
+
+    def sample_tokens(self, *args, **kwargs):
+        """vLLM's second half of a step (sampling), counted in the step's time."""
+        start = time.perf_counter()
+        output = super().sample_tokens(*args, **kwargs)
+        self.sieve_stats["step_s"] += time.perf_counter() - start
+        return output
+
+    def _sieve_time(self, start: float) -> None:
+        """Count the step begun at ``start``; every ``LOG_EVERY_S`` seconds, log the share of step time
+        spent compacting so far (what a server's log shows of compaction's cost)."""
+        stats = self.sieve_stats
+        stats["step_s"] += time.perf_counter() - start
+        stats["steps"] += 1
+        if self.sieve.compresses and time.monotonic() - self.sieve_logged >= LOG_EVERY_S:
+            self.sieve_logged = time.monotonic()
+            logger.info("kvsieve: %d steps, %d compactions, compacting %.1f%% of step time (%.1f of %.1f s)",
+                        stats["steps"], stats["compactions"], 100 * stats["compact_s"] / max(stats["step_s"], 1e-9),
+                        stats["compact_s"], stats["step_s"])
 
     # ------------------------------------------------------------------ the two lengths
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
@@ -184,3 +212,8 @@ class SieveCPUWorker(CPUWorker):
         super().init_device()
         # vLLM's CPUWorker builds its runner at the end of init_device; ours replaces it
         self.model_runner = SieveCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def kvsieve_stats(self) -> dict:
+        """The runner's compactions and seconds compacting and stepping so far, for
+        ``LLM.collective_rpc("kvsieve_stats")`` (vLLM's public call into every worker)."""
+        return dict(self.model_runner.sieve_stats)
