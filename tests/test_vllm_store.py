@@ -268,7 +268,7 @@ def _pool_requests(seed: int):
 
 def _compress_all(policy, ring: int, requests, together: bool):
     """Both compactions of every request, together or one by one: the pool and the states."""
-    from kvsieve.vllm.store import compress_requests
+    from kvsieve.vllm.store import HeldRings, compress_requests
 
     caches = [torch.zeros(3 * 12, H, BLOCK, 2 * D) for _ in range(L)]
     states = [RequestState() for _ in requests]
@@ -292,16 +292,16 @@ def _compress_all(policy, ring: int, requests, together: bool):
                                                 kept_blocks=len(blocks), logical_len=logical, prompt_len=prompt)))
             lengths[r] = keep
 
-        def queries_of(layer, req_id):
-            queries, logical = requests[int(req_id[1:])][2], next(c.logical_len for _, c in items if c.req_id == req_id)
-            return queries[layer, logical - min(ring, logical):logical] if ring else None
-
+        # each request's ring: its last `ring` queries in every layer [L, n, H_q, D]
+        rings = None if not ring else HeldRings({
+            c.req_id: requests[r][2][:, c.logical_len - min(ring, c.logical_len):c.logical_len]
+            for r, (_, c) in enumerate(items)})
         if together:
-            compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, queries_of)
+            compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings)
         else:
             for state, c in items:
                 compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
-                                 lambda layer, c=c: queries_of(layer, c.req_id))
+                                 lambda layer, c=c: None if rings is None else rings.queries[c.req_id][layer])
     return caches, states
 
 

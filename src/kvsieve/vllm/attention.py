@@ -63,15 +63,18 @@ class QueryRecorder:
             return
         self.buffers[self.index[layer_name]].index_copy_(0, self.dst, query.index_select(0, self.src))
 
-    def recent(self, layer: int, req_id: str) -> torch.Tensor:
-        """The request's recorded queries in one layer, oldest first: [min(count, window), H_q, D]."""
-        slot = self.slot_of[req_id]
-        seen, w = int(self.count[slot]), self.window
-        ring = self.buffers[layer][slot * w:(slot + 1) * w]
-        if seen < w:
-            return ring[:seen].clone()
-        start = seen % w
-        return torch.cat([ring[start:], ring[:start]])
+    def held(self, req_id: str) -> int:
+        """Queries the request's ring holds: all it has seen, up to ``window``."""
+        return min(int(self.count[self.slot_of[req_id]]), self.window)
+
+    def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
+        """The last ``n`` recorded queries of each request in one layer, oldest first, in one
+        index_select: [R, n, H_q, D] (each request holds at least ``n``: ``held``)."""
+        slots = torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.long)  # [R]
+        seen = self.count[slots][:, None]  # [R, 1]
+        ring = (seen - n + torch.arange(n)[None]) % self.window  # [R, n]: the ring entries, oldest first
+        index = slots[:, None] * self.window + ring
+        return self.buffers[layer].index_select(0, index.flatten()).view(len(req_ids), n, *self.buffers[layer].shape[1:])
 
 
 class SieveCPUAttentionImpl(CPUAttentionBackendImpl):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -33,6 +33,32 @@ from ..cache import DEAD_POS, LayerView
 from ..schedule import cross_layer_scores, keep_set
 from .paged import Layout, block_table, gather_rows, write_rows
 from .plan import Compaction
+
+
+class Rings(Protocol):
+    """The recorded post-RoPE queries of live requests (``attention.QueryRecorder``; ``HeldRings``)."""
+
+    def held(self, req_id: str) -> int:
+        """Queries the request's ring holds."""
+        ...
+
+    def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
+        """The last ``n`` queries of each request in one layer, oldest first: [R, n, H_q, D]."""
+        ...
+
+
+@dataclass
+class HeldRings:
+    """Rings held as tensors: ``queries[req_id]`` [L, n, H_q, D] each request's last n queries per
+    layer, oldest first (one request's, for ``compress_request``; tests)."""
+
+    queries: dict[str, torch.Tensor]
+
+    def held(self, req_id: str) -> int:
+        return self.queries[req_id].shape[1]
+
+    def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
+        return torch.stack([self.queries[r][layer, self.held(r) - n:] for r in req_ids])
 
 
 @dataclass
@@ -107,8 +133,7 @@ def alone(policy) -> bool:
 
 
 def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
-                      requests: list[tuple[RequestState, Compaction]],
-                      queries_of: Callable[[int, str], torch.Tensor | None]) -> None:
+                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None) -> None:
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather, one scoring, one write for all of
@@ -116,24 +141,26 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
 
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read
     through ``layout``; scalings: each layer's softmax scale; requests: each request's positions
-    and fields (updated to its kept slots) and its compaction; queries_of(layer, req_id): the
-    request's recorded queries [n, H_q, D] in that layer, all its ring holds (None when the
-    scorer reads none)."""
+    and fields (updated to its kept slots) and its compaction; rings: the requests' recorded
+    queries (None when the scorer reads none)."""
     needs = policy.scorer.needs
     reads_queries = bool(needs.query_window or needs.observes)
     groups: dict[tuple, list[tuple[RequestState, Compaction]]] = {}
     for i, (state, c) in enumerate(requests):
-        held = queries_of(0, c.req_id).shape[0] if reads_queries else 0
+        held = rings.held(c.req_id) if reads_queries else 0
         groups.setdefault((i,) if alone(policy) else (c.keep, held), []).append((state, c))
     for group in groups.values():
-        _Batch(policy, layout, caches, group).compress(scalings, queries_of)
+        _Batch(policy, layout, caches, group).compress(scalings, rings)
 
 
 def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
                      state: RequestState, c: Compaction,
                      queries_of: Callable[[int], torch.Tensor | None]) -> None:
-    """One request alone (``compress_requests`` with one): queries_of(layer) its recorded queries."""
-    compress_requests(policy, layout, caches, scalings, [(state, c)], lambda layer, _: queries_of(layer))
+    """One request alone (``compress_requests`` with one): queries_of(layer) its recorded queries
+    [n, H_q, D] in that layer, oldest first (None when the scorer reads none)."""
+    queries = [queries_of(layer) for layer in range(len(caches))]
+    rings = None if queries[0] is None else HeldRings({c.req_id: torch.stack(queries)})
+    compress_requests(policy, layout, caches, scalings, [(state, c)], rings)
 
 
 class _Batch:
@@ -168,29 +195,30 @@ class _Batch:
         self.prompt_len = prompts if policy.protect_prompt else None
         self.pinned = prompts.clamp(max=policy.budget) if policy.pin_prompt else None
 
-    def read(self, layer: int, scaling: float, queries_of) -> LayerView:
+    def read(self, layer: int, scaling: float, rings: Rings | None) -> LayerView:
         """Layer ``layer`` of every request as the scorer reads it (``engine.LayerReader``), its
         attention rows observed."""
         policy, needs = self.policy, self.policy.scorer.needs
         keys, values = gather_rows(self.layout, self.caches[layer], self.table, self.live)  # [R, H, S, D]
-        rings = [queries_of(layer, c.req_id) for c in self.cs] if needs.query_window or needs.observes else None
+        req_ids = [c.req_id for c in self.cs]
         recent = recent_pos = None
         if needs.query_window:
-            n = min(needs.query_window, rings[0].shape[0])
-            recent = torch.stack([ring[ring.shape[0] - n:] for ring in rings]).permute(0, 2, 1, 3)  # [R, H_q, n, D]
+            n = min(needs.query_window, rings.held(req_ids[0]))
+            recent = rings.rows(layer, req_ids, n).permute(0, 2, 1, 3)  # [R, H_q, n, D]
             recent_pos = self.seen[:, None] - n + torch.arange(n)[None]  # [R, n]
         R, H, S = self.pos.shape[1:]
         meta = {"pos": self.pos[layer], **{name: t[layer] for name, t in self.fields.items()}}
         view = LayerView(keys, values, self.lengths[:, None].expand(R, H), meta, {}, recent, recent_pos, scaling, {},
                          layer, S, prompt_len=self.kept_prompt)
         if needs.observes_last_only:
-            observe_last(policy.scorer, view, torch.stack([ring[-1] for ring in rings]), self.seen)
-        elif needs.observes:  # alone: a batch of one
-            observe_since(policy.scorer, view, rings[0], self.cs[0].logical_len, self.states[0].next_pos,
+            observe_last(policy.scorer, view, rings.rows(layer, req_ids, 1)[:, 0], self.seen)
+        elif needs.observes:  # alone: a batch of one, every query its ring holds
+            queries = rings.rows(layer, req_ids, rings.held(req_ids[0]))[0]  # [n, H_q, D]
+            observe_since(policy.scorer, view, queries, self.cs[0].logical_len, self.states[0].next_pos,
                           self.cs[0].prompt_len)
         return view
 
-    def compress(self, scalings: list[float], queries_of) -> None:
+    def compress(self, scalings: list[float], rings: Rings | None) -> None:
         """Every layer's keep-set, written into the requests' first slots; the states updated.  A
         cross-layer scorer (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer
         read first, and every layer keeps the tokens of the mean of their scores
@@ -198,13 +226,13 @@ class _Batch:
         policy, needs = self.policy, self.policy.scorer.needs
         # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
         budget = policy.budget if needs.uses_budget else self.keep
-        views = [self.read(layer, scalings[layer], queries_of) for layer in range(len(self.caches))] \
+        views = [self.read(layer, scalings[layer], rings) for layer in range(len(self.caches))] \
             if needs.cross_layer else None
         scores = None if views is None else cross_layer_scores(
             views, policy, self.seen, self.prompt_len if self.pinned is None else self.pinned)
         new_pos, new_fields = [], {name: [] for name in self.fields}
         for layer, cache in enumerate(self.caches):
-            view = self.read(layer, scalings[layer], queries_of) if views is None else views[layer]
+            view = self.read(layer, scalings[layer], rings) if views is None else views[layer]
             kept = keep_set(view, policy, budget, self.seen, self.prompt_len, self.pinned, scores)  # [R, H, keep]
             if kept.shape[-1] != self.keep:
                 raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned "

@@ -131,10 +131,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         names, caches = self._sieve_layers()
         context = self.compilation_config.static_forward_context
         scalings = [float(context[n].impl.scale) for n in names]
-        recorder = self.sieve_recorder
         for policy, requests in by_policy.values():
-            compress_requests(policy, self.sieve_layout, caches, scalings, requests,
-                              lambda layer, req_id: None if recorder is None else recorder.recent(layer, req_id))
+            compress_requests(policy, self.sieve_layout, caches, scalings, requests, self.sieve_recorder)
         for c in compactions:  # the block-table rows: the kept blocks (the scheduler cut its lists the same way)
             req_state = self.requests[c.req_id]
             for ids in req_state.block_ids:
