@@ -27,10 +27,15 @@ is rewritten after every run (a killed benchmark keeps what finished, and ``--re
 configurations it holds with the same settings); at the end, a table of tokens/s against the two
 plain runs of the same pool, and with ``--plot`` tokens/s against pool size.
 
-The full benchmark (about an hour a pool on a quiet 2-core machine; plot from the vLLM env, which
-has matplotlib, or later with ``--plot-only`` from any Python that does):
+The full benchmark, every method at the tight and the loose pool (12 servers a pool, one to two
+hours a pool on a quiet 2-core machine), then pools between them for three methods, into the same
+file, and the plot from all of it (the vLLM environment has matplotlib; ``--plot-only`` draws it
+later from any Python that does):
 
-    nice -n 10 .vllm-env/bin/python scripts/serve_bench.py --pools 2048,24576 --plot results/serve-bench.png
+    .venv/bin/kvsieve calibrate triattention --out results/triattention/smollm2-135m-stats.pt  # else skipped
+    nice -n 10 .vllm-env/bin/python scripts/serve_bench.py --pools 2048,24576
+    nice -n 10 .vllm-env/bin/python scripts/serve_bench.py --pools 4096,8192,16384 --methods streaming,tova,snapkv \\
+        --resume --plot results/serve-bench.png --plot-methods streaming,tova,snapkv
 """
 
 from __future__ import annotations
