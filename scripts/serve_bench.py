@@ -21,7 +21,8 @@ measured.
 Per run: output tokens/s (completion tokens of the responses' usage over the seconds from the first
 send to the last response), peak running and waiting requests, preemptions, peak KV usage and the
 blocks it stands for (sampled, so a peak between two reads is missed), and whether every block was
-back once the requests were done.  A run fails, with its reason, when a request did not get exactly
+back once the requests were done; for kvsieve, the share of step time spent compacting that its
+worker last logged (``compaction_share``).  A run fails, with its reason, when a request did not get exactly
 ``--new-tokens`` tokens or a block was not given back.  One JSON line per run on stdout; ``--out``
 is rewritten after every run (a killed benchmark keeps what finished, and ``--resume`` skips the
 configurations it holds with the same settings); at the end, a table of tokens/s against the two
@@ -84,6 +85,9 @@ RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 USAGE, PREEMPTIONS = "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"
 CACHE_INFO = "vllm:cache_config_info"  # a gauge of 1 whose labels are the CacheConfig: num_gpu_blocks
 
+# kvsieve's worker logs every 30 s, counting from the server's start (kvsieve.vllm.worker._sieve_time)
+COMPACTION_LINE = re.compile(r"kvsieve: (?P<steps>\d+) steps, (?P<compactions>\d+) compactions, compacting "
+                             r"(?P<share_pct>[\d.]+)% of step time \((?P<compact_s>[\d.]+) of (?P<step_s>[\d.]+) s\)")
 SAMPLE_LINE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+-?\d+)?$")
 LABEL = re.compile(r'([A-Za-z_]\w*)="((?:[^"\\]|\\.)*)"')
 UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
@@ -143,6 +147,18 @@ def peaks(before: dict, during: list[dict], after: dict, num_gpu_blocks: int) ->
             "preemptions": int(after["preemptions"] - before["preemptions"]), "peak_usage": round(usage, 4),
             "peak_blocks": round(usage * (num_gpu_blocks - 1)), "usage_after": after["usage"],
             "metrics_reads": len(seen)}
+
+
+def compaction_share(log_text: str) -> dict | None:
+    """The last compaction share kvsieve's worker logged (steps, compactions, percent of step time
+    compacting, and the seconds of each), or None (plain vLLM, or no line yet).  The worker logs it
+    every 30 s counting from its start, the warm-up included: an approximation of the run's share,
+    close for runs of minutes."""
+    found = list(COMPACTION_LINE.finditer(log_text))
+    if not found:
+        return None
+    last = found[-1]
+    return {key: (int if key in ("steps", "compactions") else float)(value) for key, value in last.groupdict().items()}
 
 
 def token_bytes(config: dict, dtype: str) -> int:
@@ -498,6 +514,7 @@ def run_one(config: dict, args, prompts: list[str], model_dir: str, bytes_per_to
         run.update(num_gpu_blocks=after["num_gpu_blocks"], tokens=tokens, wall_s=round(wall, 2),
                    tokens_per_s=round(tokens / wall, 2), prompt_tokens=[r.get("prompt_tokens") for r in results],
                    **peaks(before, during, after, blocks))
+        run["compaction_logged"] = compaction_share(log.read_text(errors="replace"))
         run["error"] = token_check(results, config["new_tokens"])
         if run["error"] is None and after["usage"] != 0:
             run["error"] = (f"KV usage {after['usage']} once every request was done: "

@@ -77,6 +77,17 @@ def test_peaks_preemptions_in_the_run_and_blocks_from_usage():
         "usage_after": 0.0, "metrics_reads": 5}
 
 
+def test_the_last_compaction_share_kvsieve_logged_is_read_from_the_server_log():
+    log = ("(EngineCore pid=9) INFO 11-29 04:12:40 [worker.py:174] kvsieve: 120 steps, 30 compactions, "
+           "compacting 41.5% of step time (2.5 of 6.0 s)\n"
+           "(APIServer pid=8) INFO:     127.0.0.1:5 - \"POST /v1/completions HTTP/1.1\" 200 OK\n"
+           "(EngineCore pid=9) INFO 11-29 04:13:10 [worker.py:174] kvsieve: 1040 steps, 210 compactions, "
+           "compacting 9.8% of step time (4.9 of 50.1 s)\n")
+    assert bench.compaction_share(log) == {"steps": 1040, "compactions": 210, "share_pct": 9.8, "compact_s": 4.9,
+                                           "step_s": 50.1}
+    assert bench.compaction_share("(APIServer pid=8) INFO: Application startup complete.\n") is None
+
+
 def test_pool_bytes_from_the_model_config():
     # 2 (k, v) x 30 layers x 3 kv heads x 64 dims x 4 bytes
     assert bench.token_bytes(SMOLLM2, "float32") == 46_080
