@@ -48,15 +48,23 @@ METHODS = {
 BLOCK = 32
 
 
-def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
-    """The first ``n`` GSM8K test questions as token ids of a plain question/answer prompt."""
+PROMPT = "Question: {question}\nAnswer: Let's think step by step."
+
+
+def gsm8k_texts(n: int) -> list[str]:
+    """The first ``n`` GSM8K test questions, each as a plain question/answer prompt (``PROMPT``)."""
     rows = []
     with open(os.path.join(DATA, "gsm8k_test.jsonl")) as f:
         for line in f:
-            rows.append(json.loads(line)["question"])
+            rows.append(PROMPT.format(question=json.loads(line)["question"]))
             if len(rows) == n:
                 break
-    return [tokenizer(f"Question: {q}\nAnswer: Let's think step by step.").input_ids for q in rows]
+    return rows
+
+
+def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``gsm8k_texts(n)`` as token ids."""
+    return [tokenizer(text).input_ids for text in gsm8k_texts(n)]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
