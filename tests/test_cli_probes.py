@@ -82,3 +82,50 @@ def test_report_on_a_cell_of_no_right_answers_names_a_hand_edited_line_and_write
     assert result[1].startswith(f"warning: {results}:8: not a results row (a JSON int, not an object); remove or fix "
                                 "that line; left out of the report ")
     assert (tmp_path / "report.md").exists() and (tmp_path / "accuracy_vs_peak_kv.png").exists()
+
+
+# ---------------------------------------------------------------------------- eval: a finished grid, its data edited
+def edited_line(out: Path) -> str:
+    """The refusal of a grid in ``out`` whose three samples' prompts changed since its rows."""
+    return (f"{out} has rows for sample(s) 0, 1, 2 whose prompt or reference has changed since (data file, prompt "
+            "template or generated data set); use another --out directory to run them as they are now, or the data "
+            "the rows were made from")
+
+
+def tiny_eval_args(model_dir: Path, data: Path, out: Path) -> list:
+    """``kvsieve eval`` as ``test_files.tiny_config`` runs it."""
+    return ["eval", "--model", model_dir, "--dataset", "gsm8k", "--data", data, "--out", out, "--methods", "tova",
+            "--budgets", "8", "--max-new-tokens", "3", "--batch-size", "2", "--no-progress"]
+
+
+@pytest.fixture
+def finished(tmp_path):
+    """A finished grid (full and tova@8 on 3 samples) of a random model saved in ``tmp_path/model``,
+    its data file ``tmp_path/gsm.jsonl``: (model directory, data file, results directory)."""
+    model_dir, data, out = tmp_path / "model", tmp_path / "gsm.jsonl", tmp_path / "out"
+    model = tiny_model()
+    model.save_pretrained(model_dir)
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    run_grid(tiny_config(model_dir, out, data), model, ChatBytes(), progress=False)
+    return model_dir, data, out
+
+
+def test_a_finished_grid_whose_data_file_changed_is_refused_until_the_user_chooses(finished, tmp_path):
+    """It used to exit 0 and print the old table as if made from the new data; the same edit
+    halfway through was refused.  The choices: another --out, or the data the rows were made from."""
+    model_dir, data, out = finished
+    rows = (out / "results.jsonl").read_text()
+    original = data.read_text()
+    data.write_text("".join(json.dumps({**r, "question": r["question"] + " Explain."}) + "\n" for r in GSM))
+    assert error_of(*tiny_eval_args(model_dir, data, out)) == edited_line(out)
+    assert (out / "results.jsonl").read_text() == rows  # nothing written
+    (out / "results.jsonl").write_text("".join(rows.splitlines(keepends=True)[:-1]))  # halfway: the same line
+    assert error_of(*tiny_eval_args(model_dir, data, out)) == edited_line(out)
+    # another --out runs the grid on the data as it is now
+    run_grid(tiny_config(model_dir, tmp_path / "new", data), tiny_model(), ChatBytes(), progress=False)
+    assert len((tmp_path / "new" / "results.jsonl").read_text().splitlines()) == 6
+    data.write_text(original)  # the data the rows were made from: the grid goes on, and its table is shown
+    run_grid(tiny_config(model_dir, out, data), tiny_model(), ChatBytes(), progress=False)
+    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    code, text = one_line(*tiny_eval_args(model_dir, data, out))
+    assert code == 0 and text.endswith(f"rows in {out / 'results.jsonl'}; write the report with: kvsieve report {out}")
