@@ -129,3 +129,112 @@ def test_a_finished_grid_whose_data_file_changed_is_refused_until_the_user_choos
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     code, text = one_line(*tiny_eval_args(model_dir, data, out))
     assert code == 0 and text.endswith(f"rows in {out / 'results.jsonl'}; write the report with: kvsieve report {out}")
+
+
+# ---------------------------------------------------------------------------- the fingerprint: every weight byte
+MIB = 1 << 20
+
+
+def fake_checkpoint(directory: Path, size: int = 8 * MIB) -> Path:
+    """A checkpoint directory whose weights file holds ``size`` random bytes (the fingerprint reads
+    bytes, not tensors); returns the weights file."""
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "llama"}\n')
+    weights = directory / "model.safetensors"
+    weights.write_bytes(os.urandom(size))
+    return weights
+
+
+def change_one_byte(path: Path, offset: int) -> None:
+    """Flip the byte at ``offset`` in place, then put the file's times back (as ``cp -p`` would)."""
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def whole_sha256(weights: Path) -> str:
+    """The documented ``weights_sha256_whole`` of a one-file checkpoint, computed here by hand."""
+    data = weights.read_bytes()
+    line = f"{weights.name}\0{len(data)}\0{hashlib.sha256(data).hexdigest()}\0"
+    return hashlib.sha256(line.encode()).hexdigest()[:16]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty KVSIEVE_CACHE of the test's own (where the weight digests are cached)."""
+    monkeypatch.setenv("KVSIEVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_one_byte_changed_between_the_sampled_mibs_changes_the_fingerprint(tmp_path, cache):
+    """The byte at 2 MiB + 17 of an 8 MiB file lies outside its first, middle and last MiB: the
+    sampled hash (all that fingerprints held before) cannot see it, the whole one does."""
+    weights = fake_checkpoint(tmp_path / "model")
+    before = models.checkpoint_fingerprint(str(tmp_path / "model"))
+    assert before["weights_sha256_whole"] == whole_sha256(weights) and before["weights_bytes"] == 8 * MIB
+    change_one_byte(weights, 2 * MIB + 17)
+    after = models.checkpoint_fingerprint(str(tmp_path / "model"))
+    assert after["weights_sha256"] == before["weights_sha256"]  # the gap that let two models mix
+    assert after["weights_sha256_whole"] == whole_sha256(weights) != before["weights_sha256_whole"]
+
+
+def test_weight_digests_are_cached_by_size_times_and_inode(tmp_path, cache, monkeypatch):
+    import kvsieve.files
+
+    weights = fake_checkpoint(tmp_path / "model", size=MIB)
+    hashed = []
+    real = kvsieve.files.file_digest
+    monkeypatch.setattr(kvsieve.files, "file_digest", lambda path: hashed.append(path) or real(path))
+    models.weights_digests([weights])
+    models.weights_digests([weights])
+    assert len(hashed) == 2  # written just now: not cached, its times may not move at the next write
+    monkeypatch.setattr(models, "FRESH_NS", 0)  # as if written long ago
+    first = models.weights_digests([weights])[weights]
+    assert models.weights_digests([weights])[weights] == first and len(hashed) == 3  # read from the cache
+    assert str(weights.resolve()) in json.loads((cache / models.DIGESTS).read_text())
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    change_one_byte(weights, MIB // 3)  # same size, same modification time: its change time moved
+    assert models.weights_digests([weights])[weights] == hashlib.sha256(weights.read_bytes()).hexdigest() != first
+
+
+def test_a_cache_that_cannot_be_read_or_written_is_ignored(tmp_path, cache):
+    weights = fake_checkpoint(tmp_path / "model", size=1000)
+    cache.mkdir()
+    (cache / models.DIGESTS).write_text("{not json")
+    assert models.weights_digests([weights]) == {weights: hashlib.sha256(weights.read_bytes()).hexdigest()}
+
+
+def test_eval_refuses_a_model_changed_between_the_sampled_mibs_naming_the_whole_hash(tmp_path, cache, monkeypatch):
+    """Before, the rows of both models were mixed under one fingerprint."""
+    weights = fake_checkpoint(tmp_path / "model")
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    out = tmp_path / "out"
+    check_run_manifest(tiny_config(tmp_path / "model", out, data))
+    recorded = json.loads((out / "run.json").read_text())["model_fingerprint"]["weights_sha256_whole"]
+    change_one_byte(weights, 2 * MIB + 17)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert error_of(*tiny_eval_args(tmp_path / "model", data, out)) == (
+        f"{out}: --model {tmp_path / 'model'} is not the model its rows were made with (replaced in place?): run.json "
+        f"records weights_sha256_whole {recorded} there, {whole_sha256(weights)} now; use another --out directory, "
+        "or the model the rows were made with")
+
+
+def test_a_run_json_from_before_the_whole_hash_resumes_and_takes_it(tmp_path, cache):
+    """Directories recorded the sampled hash only (the accuracy grid's): the same model is judged on
+    the fields both records hold, and run.json takes the whole hash."""
+    fake_checkpoint(tmp_path / "model")
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    config = tiny_config(tmp_path / "model", tmp_path / "out", data)
+    fields = config.result_fields()
+    older = {**fields, "model_fingerprint": {k: v for k, v in fields["model_fingerprint"].items()
+                                             if k != "weights_sha256_whole"}}
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "run.json").write_text(json.dumps(older))
+    check_run_manifest(config)
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["model_fingerprint"] == fields["model_fingerprint"]
