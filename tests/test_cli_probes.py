@@ -238,3 +238,72 @@ def test_a_run_json_from_before_the_whole_hash_resumes_and_takes_it(tmp_path, ca
     (tmp_path / "out" / "run.json").write_text(json.dumps(older))
     check_run_manifest(config)
     assert json.loads((tmp_path / "out" / "run.json").read_text())["model_fingerprint"] == fields["model_fingerprint"]
+
+
+# ---------------------------------------------------------------------------- calibrate onto a full disk
+class FullDisk(io.FileIO):
+    """A file on a disk with ``ROOM`` bytes left: a write past them writes what fits, then fails
+    with ENOSPC, as a full disk does."""
+
+    ROOM = 4096
+
+    def write(self, data) -> int:
+        fits = max(0, self.ROOM - self.tell())
+        if len(data) > fits:
+            super().write(bytes(memoryview(data)[:fits]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def full_disk_open(path, mode="r", *args, **kwargs):
+    """``open`` where a file opened to write lies on a full disk (``FullDisk``)."""
+    if "w" in mode:
+        return io.BufferedWriter(FullDisk(path, "w"))
+    return open(path, mode, *args, **kwargs)
+
+
+def test_calibrate_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, smollm):
+    """It used to print a 78-line traceback (torch's RuntimeError "unexpected pos") and leave the
+    temporary file behind."""
+    import kvsieve.model_files
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr(kvsieve.model_files, "open", full_disk_open, raising=False)
+    book = tmp_path / "book.txt"
+    book.write_text("The fox walked to the river to drink. " * 40 + "\n")
+    out = tmp_path / "stats.pt"
+    assert error_of("calibrate", "triattention", "--data", book, "--out", out, "--tokens", "64", "--chunk", "32") == (
+        f"{out}: the disk is full (No space left on device) while writing the statistics; free some space, then run "
+        "the same command again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]
+
+
+@pytest.mark.parametrize("kind", ["statistics", "steering vector"])
+def test_files_saved_with_torch_fail_on_a_full_disk_as_one_oserror_and_leave_nothing(tmp_path, monkeypatch, kind):
+    import torch
+
+    import kvsieve.model_files
+    from kvsieve.methods.triattention import QueryStats
+    from kvsieve.steering import SteeringVector
+
+    q_mean = torch.randn(2, 4, 64, 2)
+    saved = (QueryStats(q_mean=q_mean, q_abs_mean=q_mean.norm(dim=-1), inv_freq=torch.ones(64, dtype=torch.float64),
+                        attention_scaling=1.0, num_kv_heads=2, model_name="m", fingerprint={})
+             if kind == "statistics" else SteeringVector(torch.ones(4096), 1, "m", {}, {}))
+    monkeypatch.setattr(kvsieve.model_files, "open", full_disk_open, raising=False)
+    with pytest.raises(OutputError) as err:
+        write_atomic(tmp_path / "x.pt", saved.save, f"writing the {kind}")
+    assert str(err.value) == (f"{tmp_path / 'x.pt'}: the disk is full (No space left on device) while writing the "
+                              f"{kind}; free some space, then run the same command again")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stop", [RuntimeError("unexpected pos 704 vs 598"), KeyboardInterrupt()])
+def test_a_write_stopped_by_anything_else_leaves_no_temporary_file(tmp_path, stop):
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise stop
+
+    with pytest.raises(type(stop)):
+        write_atomic(tmp_path / "out.bin", write)
+    assert list(tmp_path.iterdir()) == []
