@@ -342,7 +342,7 @@ def checkpoint_fingerprint(name: str) -> dict | None:
     under the same name (a checkpoint replaced in place): the sha256 of its ``config.json``, the
     total bytes of its weight files (``WEIGHT_SUFFIXES`` in the checkpoint directory), and two
     sha256 over each weight file's name and size: ``weights_sha256_whole`` with every byte of the
-    file (``weights_digest``), and ``weights_sha256`` with its first, middle and last MiB only,
+    file (``weights_digests``), and ``weights_sha256`` with its first, middle and last MiB only,
     which is what records made before every byte was hashed hold (``eval.store`` compares two
     fingerprints on the fields both hold).  Not covered: the tokenizer's files, the chat template
     and ``generation_config.json``.  A copy or a ``touch`` changes nothing, new weights change it.
