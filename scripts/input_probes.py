@@ -244,6 +244,7 @@ def make_data(tmp: Path) -> None:
     torch.save({"vector": torch.ones(576), "layer": 20, "model_name": "other-model", "settings": {},
                 "fingerprint": {**smollm_print, "num_hidden_layers": 24}}, tmp / "other-model.pt")
     make_file_data(tmp, stamp)
+    make_command_line_data(tmp)
     tasks = tmp / "tasks"
     tasks.mkdir()
     (tasks / "arith.jsonl").write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"][5:]})
@@ -631,6 +632,94 @@ def wrote(output: str) -> str:
     return line[-120:]
 
 
+# ---------------------------------------------------------------------------- issue 60: the command line
+def make_command_line_data(tmp: Path) -> None:
+    """Issue 60's files: a results directory whose full got 4 of 4 right and tova@16 0 of 3 (the
+    counts whose Wilson bounds rounded past the estimate), its line 8 edited by hand."""
+    rows = [{**ROW, "id": str(i)} for i in range(4)] + [{**ROW, "id": str(i), "method": "tova", "budget": 16,
+                                                          "correct": False} for i in range(3)]
+    (tmp / "none-right").mkdir()
+    (tmp / "none-right" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "7\n")
+
+
+def report_none_right(tmp: Path) -> subprocess.CompletedProcess:
+    """report (with plots) on cells of 0/3 and 4/4 right: its files written (it used to stop at
+    "'yerr' must not contain negative values" before writing anything or warning)."""
+    done = kvsieve("report", str(tmp / "none-right"))
+    missing = [name for name in ("report.md", "summary.csv", "accuracy_vs_budget.png", "accuracy_vs_peak_kv.png",
+                                 "generated_length.png", "kv_memory_vs_length.png")
+               if not (tmp / "none-right" / name).exists()]
+    assert done.returncode != 0 or not missing, f"exit 0 but not written: {missing}"
+    return done
+
+
+def warns_of_line_8(output: str) -> str:
+    """exit 0, every file written, and the one warning naming results.jsonl:8"""
+    warnings = [line for line in output.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "none-right/results.jsonl:8: not a results row (a JSON int, not an object); remove or fix that line; left "
+        "out of the report"), warnings
+    return warnings[0].split("/")[-1]
+
+
+def data_edited_after_the_grid(tmp: Path) -> subprocess.CompletedProcess:
+    """eval to the end, its data file edited in place, the same eval again: refused (it used to exit 0
+    and print the old table as the new data's), nothing written."""
+    data = tmp / "gsm2-edited.jsonl"
+    shutil.copyfile(tmp / "gsm2.jsonl", data)
+    out = tmp / "out" / "data-edited"
+    args = eval_args(tmp, out, "--methods", "tova", "--budgets", "16", data=data.name)
+    first = kvsieve(*args)
+    assert first.returncode == 0, f"the first eval failed: {first.stderr[-300:]}"
+    data.write_text("".join(json.dumps({**r, "question": r["question"] + " Explain."}) + "\n" for r in GSM[:2]))
+    rows = result_rows(out)
+    again = kvsieve(*args)
+    assert result_rows(out) == rows, "rows written"
+    return again
+
+
+MIB = 1 << 20
+
+
+def model_changed_mid_file(tmp: Path) -> subprocess.CompletedProcess:
+    """eval --model DIR, then one byte of its weights changed in place outside the first, middle and
+    last MiB (the file's times put back), the eval resumed with more samples: refused (before, the
+    rows of both models were mixed under one fingerprint)."""
+    model = tmp / "changed-model"
+    out = tmp / "out" / "model-changed-mid-file"
+    tiny_model_dir(model, seed=0)
+    weights = model / "model.safetensors"
+    offset, size = 2 * MIB + 17, weights.stat().st_size
+    assert MIB <= offset < size // 2 - MIB // 2, f"{size} bytes: the byte would lie in a sampled MiB"
+    first = kvsieve("eval", "--model", str(model), "--dataset", "gsm8k", "--data", str(tmp / "gsm2.jsonl"),
+                    "--out", str(out), "--max-new-tokens", "3", "--no-progress")
+    assert first.returncode == 0, f"the first eval failed: {first.stderr[-300:]}"
+    times = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
+    return kvsieve("eval", "--model", str(model), "--dataset", "gsm8k", "--data", str(tmp / "gsm6.jsonl"),
+                   "--out", str(out), "--max-new-tokens", "3", "--no-progress")
+
+
+
+def calibrate_full_disk(tmp: Path) -> subprocess.CompletedProcess:
+    """calibrate triattention --out a 12 KiB disk (the statistics take 104 KiB): one line, and nothing
+    left on the disk (it used to print 78 lines of traceback and leave the .tmp file)."""
+    disk = tmp / "small-disk-calibrate"
+    disk.mkdir()
+    left = tmp / "left-on-the-disk.txt"
+    args = ("calibrate", "triattention", "--data", str(tmp / "book.txt"), "--out", str(disk / "stats.pt"),
+            "--tokens", "64", "--chunk", "32")
+    done = in_namespace(f"mount -t tmpfs -o size=12k tmpfs {disk} && {shell_kvsieve(*args)}; code=$?; "
+                        f"ls -A {disk} > {left}; exit $code")
+    assert left.read_text() == "", f"left on the disk: {left.read_text().split()}"
+    return done
+
+
 # ---------------------------------------------------------------------------- the probes
 G = ("generate", "--model", "smollm2-135m", "--max-new-tokens", "3")
 TOVA = (*G, "--method", "tova", "--budget", "32")
@@ -833,6 +922,19 @@ PROBES: list[Probe] = [
           "hold 2 layers, 9 query heads, 3 kv heads, head dim 64; the model has 30 layers"),
     Probe("eval-progress-log", "eval with stderr to a file: progress lines, period cut to 1 s", logged_progress,
           timeout=400),
+    # --- issue 60: the command line
+    Probe("report-none-right", "report on cells of 0/3 and 4/4 right, one row edited by hand", report_none_right,
+          check=warns_of_line_8),
+    Probe("eval-data-edited-after", "eval to the end, its data file edited in place, the same eval again",
+          data_edited_after_the_grid, "whose prompt or reference has changed since (data file, prompt template or "
+          "generated data set); use another --out directory to run them as they are now, or the data the rows were "
+          "made from"),
+    Probe("eval-model-changed-mid-file", "eval, one weight byte changed in place between the sampled MiBs, resumed",
+          model_changed_mid_file, "is not the model its rows were made with (replaced in place?): run.json records "
+          "weights_sha256_whole"),
+    Probe("calibrate-full-disk", "calibrate triattention --out a disk that is full", calibrate_full_disk,
+          "stats.pt: the disk is full (No space left on device) while writing the statistics; free some space, then "
+          "run the same command again"),
     # --- the Python API
     Probe("py-budget-str", "make_policy('tova', budget='32')", "make_policy('tova', budget='32')",
           "budget= must be an integer, got '32' (str)"),

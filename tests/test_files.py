@@ -148,7 +148,9 @@ def test_a_model_replaced_in_place_is_refused_naming_both_fingerprints(tmp_path,
     assert now.model_fingerprint["weights_sha256"] != recorded["weights_sha256"]
     expected = (f"{out}: --model {model_dir} is not the model its rows were made with (replaced in place?): WHERE "
                 f"records weights_sha256 {recorded['weights_sha256']} there, {now.model_fingerprint['weights_sha256']} "
-                "now; use another --out directory, or the model the rows were made with")
+                f"now; weights_sha256_whole {recorded['weights_sha256_whole']} there, "
+                f"{now.model_fingerprint['weights_sha256_whole']} now; use another --out directory, or the model the "
+                "rows were made with")
     with pytest.raises(InputError) as err:
         run_grid(now, second, ChatBytes(), progress=False)
     assert str(err.value) == expected.replace("WHERE", "run.json")

@@ -176,7 +176,10 @@ def write_atomic(path: str | os.PathLike, data: str | bytes | Callable[[Path], o
                  doing: str = "writing it") -> Path:
     """Write ``path`` whole or not at all: ``data`` (text as UTF-8, bytes, or a function that writes a
     given temporary path) goes to a file beside it, is synced and renamed over ``path``.  An ``OSError``
-    (a full disk, a read-only directory) is an ``OutputError`` naming ``path``; the old file is kept."""
+    (a full disk, a read-only directory) is an ``OutputError`` naming ``path``; the old file is kept.
+    Whatever stops the write (an error of ``data``'s own, Ctrl-C) leaves no temporary file behind.
+    A function must let a failed write's ``OSError`` through: ``torch.save`` to a path turns a full
+    disk into a ``RuntimeError`` that names neither (``model_files.save_file`` writes through Python)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -187,10 +190,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes | Callable[[Path], o
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise output_error(err, path, doing) from None
+        if isinstance(err, OSError):
+            raise output_error(err, path, doing) from None
+        raise
     return path
 
 

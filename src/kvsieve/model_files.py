@@ -1,5 +1,5 @@
 """Files made for one model (a SkipKV steering vector, TriAttention statistics): the model's
-fingerprint they record, loading them, and the refusal when they are used with another model.
+fingerprint they record, saving and loading them, and the refusal when they are used with another model.
 
 Light on purpose (torch only), so a method file can read its per-model file without importing
 anything above ``methods/``.
@@ -7,6 +7,7 @@ anything above ``methods/``.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
@@ -27,6 +28,17 @@ def other_model(name: str, fingerprint: dict, model) -> str | None:
     if fingerprint == model_fingerprint(model) and name == model_name(model):
         return None
     return f"built for {name} {fingerprint}, not for {model_name(model)} {model_fingerprint(model)}"
+
+
+def save_file(data: dict, path: str | Path) -> None:
+    """``torch.save`` ``data`` to ``path`` so that a write that fails (a full disk) is the ``OSError``
+    naming its cause, which ``files.write_atomic`` tells in one line: torch writing to a path, or to a
+    file that fails, ends with its own ``RuntimeError`` ("unexpected pos"), which says neither file
+    nor cause.  The file is made in memory first (these files are small) and written by Python."""
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
 
 
 def load_saved(path: str | Path, what: str, hint: str):

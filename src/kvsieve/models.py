@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -308,7 +310,12 @@ def check_hub_model(name: str) -> None:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SAMPLE = 1 << 20  # bytes hashed at each of the start, middle and end of a weight file
+_SAMPLE = 1 << 20  # bytes hashed at each of the start, middle and end of a weight file (``weights_sha256``)
+# A file whose last change (its ctime) is less than this before it was hashed may change again
+# within the file system's timestamp granularity without its times moving: its digest is not
+# cached, and it is hashed again next time (git's "racily clean" files, handled the same way).
+FRESH_NS = 2_000_000_000
+DIGESTS = "weights-sha256.json"  # under cache_dir(): digest of every weight file hashed whole, by path
 
 
 def checkpoint_dir(name: str) -> Path | None:
@@ -333,10 +340,14 @@ def checkpoint_dir(name: str) -> Path | None:
 def checkpoint_fingerprint(name: str) -> dict | None:
     """What a model's files are, so results made with one model are never mixed with another's
     under the same name (a checkpoint replaced in place): the sha256 of its ``config.json``, the
-    total bytes of its weight files, and a sha256 over each weight file's name, size and first,
-    middle and last MiB (3 MiB read a file: quick at any size; a copy or a ``touch`` changes
-    nothing, new weights change it).  ``random:`` shapes are their name; None when the checkpoint
-    is not on disk yet (``checkpoint_dir``)."""
+    total bytes of its weight files (``WEIGHT_SUFFIXES`` in the checkpoint directory), and two
+    sha256 over each weight file's name and size: ``weights_sha256_whole`` with every byte of the
+    file (``weights_digests``), and ``weights_sha256`` with its first, middle and last MiB only,
+    which is what records made before every byte was hashed hold (``eval.store`` compares two
+    fingerprints on the fields both hold).  Not covered: the tokenizer's files, the chat template
+    and ``generation_config.json``.  A copy or a ``touch`` changes nothing, new weights change it.
+    ``random:`` shapes are their name; None when the checkpoint is not on disk yet
+    (``checkpoint_dir``)."""
     if name.startswith("random:"):
         return {"random": name.split(":", 1)[1]}
     directory = checkpoint_dir(name)
@@ -344,17 +355,61 @@ def checkpoint_fingerprint(name: str) -> dict | None:
         return None
     config = directory / "config.json"
     weights = sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    digest = hashlib.sha256()
+    sampled, whole = hashlib.sha256(), hashlib.sha256()
+    digests = weights_digests(weights)
     for path in weights:
         size = path.stat().st_size
-        digest.update(f"{path.name}\0{size}\0".encode())
+        sampled.update(f"{path.name}\0{size}\0".encode())
+        whole.update(f"{path.name}\0{size}\0{digests[path]}\0".encode())
         with open(path, "rb") as f:
             for start in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
                 f.seek(start)
-                digest.update(f.read(_SAMPLE))
+                sampled.update(f.read(_SAMPLE))
     return {"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else None,
             "weights_bytes": sum(p.stat().st_size for p in weights),
-            "weights_sha256": digest.hexdigest()[:16]}
+            "weights_sha256": sampled.hexdigest()[:16], "weights_sha256_whole": whole.hexdigest()[:16]}
+
+
+def _file_key(path: Path) -> list[int]:
+    """What must stay the same for a file's cached digest to hold: its size, modification and
+    change times (ns), inode and device.  Writing a file moves its change time, which no tool sets
+    back (``touch`` and ``cp -p`` set the modification time only)."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def weights_digests(paths: list[Path]) -> dict[Path, str]:
+    """The sha256 of every byte of each of ``paths`` (``files.file_digest``, streamed), each kept in
+    ``cache_dir() / DIGESTS`` under its resolved path with its ``_file_key``, and read from there
+    while the key holds: a checkpoint of several GB is hashed once, not at every ``eval``.  A file
+    changed less than ``FRESH_NS`` before it was hashed is not cached.  The cache is best effort: one
+    that cannot be read or written is ignored (every file is then hashed)."""
+    from .files import FILE_DIGEST, file_digest, write_atomic
+
+    cache_file = cache_dir() / DIGESTS
+    try:
+        cache = json.loads(cache_file.read_text(encoding="utf-8")) if cache_file.is_file() else {}
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        cache = {}
+    out, added = {}, False
+    for path in paths:
+        real, key = str(path.resolve()), _file_key(path)
+        entry = cache.get(real)
+        if isinstance(entry, list) and entry[:-1] == key:
+            out[path] = entry[-1]
+            continue
+        out[path] = file_digest(path).removeprefix(FILE_DIGEST)
+        if _file_key(path) == key and time.time_ns() - key[2] >= FRESH_NS:  # unchanged while read, and not fresh
+            cache[real], added = [*key, out[path]], True
+    if added:
+        cache = {p: v for p, v in cache.items() if Path(p).exists()}  # forget files since deleted
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cache_file, json.dumps(cache, indent=1, sort_keys=True) + "\n", "caching weight digests")
+        except OSError:
+            pass  # a read-only or full cache directory: hashed again next time
+    return out
 
 
 def load_model(

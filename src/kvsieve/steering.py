@@ -52,7 +52,7 @@ import torch
 
 from .cache import DEAD_POS
 from .checks import check_fields
-from .model_files import load_saved, model_fingerprint, model_name, other_model
+from .model_files import load_saved, save_file, model_fingerprint, model_name, other_model
 from .methods._sentences import DELIMITERS, KEYWORDS, OthersCounter, sentence_spans, vocab_ids
 
 PAPER_LAYER_FRACTION = 20 / 28  # App. A.2: layer 20 of R1-Qwen-7B's 28 (35/48 for 14B is 0.73)
@@ -100,7 +100,8 @@ class SteeringVector:
         return self
 
     def save(self, path: str | Path) -> None:
-        torch.save({**asdict(self), "vector": self.vector.cpu()}, path)
+        """Write the vector to ``path`` (``model_files.save_file``: a full disk is an ``OSError``)."""
+        save_file({**asdict(self), "vector": self.vector.cpu()}, path)
 
     @classmethod
     def read(cls, path: str | Path) -> "SteeringVector":

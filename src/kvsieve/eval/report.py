@@ -79,14 +79,19 @@ Z95 = 1.959964  # two-sided 95% normal quantile
 
 
 def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion ``correct / n``."""
+    """Wilson score interval for a binomial proportion ``correct / n``, always holding ``correct / n``.
+
+    In exact arithmetic the interval holds the estimate and ends at 0 for 0 correct (at 1 for all
+    correct); in floating point ``centre - half`` can come out a few 1e-17 above 0 (0/3, 0/5, 0/6)
+    and ``centre + half`` just below 1 (4/4, 10/10), which made the plots' error bars negative.
+    Each bound is therefore kept on its side of the estimate."""
     if n == 0:
         return (math.nan, math.nan)
     p = correct / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    return (min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))
 
 
 def mcnemar_p(lost: int, gained: int) -> float:

@@ -88,14 +88,17 @@ def prompt_digest(sample: Sample) -> str:
 
 
 def check_prompts(config: EvalConfig, samples: list[Sample], stored: dict[str, str]) -> None:
-    """Refuse to resume when a sample's prompt differs from the one its stored rows ran on (an
-    edited data file, a changed template or generated set): the rows would mix two prompts
-    under one id.  Rows written before rows carried ``prompt_sha256`` are not checked."""
+    """Refuse a grid whose samples' prompts differ from the ones its stored rows ran on (an edited
+    data file, a changed template or generated set): resumed, the rows would mix two prompts under
+    one id; finished, its table would stand for data it was not made from.  The choice is the
+    user's: another ``--out`` runs the grid on the data as it is now, the data the rows were made
+    from adds to them.  Rows written before rows carried ``prompt_sha256`` are not checked."""
     changed = [s.id for s in samples if s.id in stored and stored[s.id] != prompt_digest(s)]
     if changed:
         raise InputError(f"{config.out} has rows for sample(s) {', '.join(changed[:5])}"
                          f"{' ...' if len(changed) > 5 else ''} whose prompt or reference has changed since "
-                         "(data file, prompt template or generated data set); use another --out directory")
+                         "(data file, prompt template or generated data set); use another --out directory to run "
+                         "them as they are now, or the data the rows were made from")
 
 
 def _base_row(config: EvalConfig, cell: Cell, sample: Sample, settings: dict, kv_heads: int) -> dict[str, Any]:
@@ -369,11 +372,12 @@ def run_grid(config: EvalConfig, model=None, tokenizer=None, progress: bool = Tr
     check_run_manifest(config)
     with ResultStore(config.out, config.results_name) as store:
         work = pending_work(config, samples, store.done)
+        # a finished grid too: its table would otherwise stand for data it was not made from
+        check_prompts(config, samples, store.prompts)
         todo = sum(len(s) for _, s in work)
         if todo == 0:
             return store
         check_cell_settings(config, store.cell_settings, work)
-        check_prompts(config, samples, store.prompts)
         if model is None and not use_ray:
             from ..models import load_model
 

@@ -251,11 +251,19 @@ class ResultStore:
         self.close()
 
 
+def fingerprint_differences(before: dict, now: dict) -> list[str]:
+    """The fields in which two model fingerprints (``kvsieve.models.checkpoint_fingerprint``)
+    differ, compared on the fields both hold: a record made before a field existed (the hash of
+    every weight byte, ``weights_sha256_whole``) is judged by the others; when they share no field
+    (a ``random:`` model against a checkpoint), every field."""
+    fields = set(before) & set(now) or set(before) | set(now)
+    return sorted(k for k in fields if before.get(k) != now.get(k))
+
+
 def model_changed(directory: str | os.PathLike, model: str | None, before: dict, now: dict, where: str) -> str:
     """The refusal of a resume whose model's fingerprint (``now``) is not the one ``where`` (run.json,
     or its rows) records (``before``), naming the fields that differ with both values."""
-    differ = [f"{k} {before.get(k)} there, {now.get(k)} now" for k in sorted(set(before) | set(now))
-              if before.get(k) != now.get(k)]
+    differ = [f"{k} {before.get(k)} there, {now.get(k)} now" for k in fingerprint_differences(before, now)]
     return (f"{directory}: --model {model} is not the model its rows were made with (replaced in place?): {where} "
             f"records {'; '.join(differ)}; use another --out directory, or the model the rows were made with")
 
@@ -266,8 +274,9 @@ def check_manifest(directory: str | os.PathLike, fields: dict[str, Any],
 
     ``fields[FINGERPRINT]`` (``kvsieve.models.checkpoint_fingerprint``) is the model's: another one
     under the same ``--model`` (a checkpoint replaced in place) than run.json's, or, without a
-    run.json, than the rows', is refused naming both; a manifest written before fingerprints were
-    recorded takes it now, and None (not known) checks nothing.
+    run.json, than the rows', is refused naming both (``fingerprint_differences``); a manifest
+    written before fingerprints, or before one of their fields, was recorded takes it now, and None
+    (not known) checks nothing.
 
     ``fields["settings"]`` maps method -> its settings: a method already in the manifest must
     keep its settings, a new method joins it (extending a grid with methods is fine).
@@ -279,9 +288,10 @@ def check_manifest(directory: str | os.PathLike, fields: dict[str, Any],
     if path.exists():
         old = read_manifest(directory)
         before, now = old.get(FINGERPRINT), fields.get(FINGERPRINT)
-        if before is not None and now is not None and before != now:
+        if before is not None and now is not None and fingerprint_differences(before, now):
             raise InputError(model_changed(directory, fields.get("model"), before, now, "run.json"))
-        merged[FINGERPRINT] = before if before is not None else now  # a directory from before fingerprints: recorded now
+        # a directory from before fingerprints, or before a field of them: recorded now
+        merged[FINGERPRINT] = {**before, **now} if before is not None and now is not None else before or now
         differ = [f"{k}: {old.get(k)!r} before, {fields.get(k)!r} now" for k in sorted(set(old) | set(fields))
                   if k not in ("settings", FINGERPRINT) and old.get(k) != fields.get(k)]
         old_settings, new_settings = old.get("settings") or {}, fields.get("settings") or {}
@@ -296,7 +306,8 @@ def check_manifest(directory: str | os.PathLike, fields: dict[str, Any],
             return
     else:  # run.json deleted (or never written): the rows say which model made them
         now = fields.get(FINGERPRINT)
-        other = [r[FINGERPRINT] for r in load_results(directory) if r.get(FINGERPRINT) not in (None, now)]
+        other = [r[FINGERPRINT] for r in load_results(directory)
+                 if r.get(FINGERPRINT) is not None and now is not None and fingerprint_differences(r[FINGERPRINT], now)]
         if other and now is not None:
             raise InputError(model_changed(directory, fields.get("model"), other[0], now, "its rows"))
     check_output_dir(directory)

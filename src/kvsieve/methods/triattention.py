@@ -92,7 +92,7 @@ import torch
 from ..cache import DEAD_POS
 from ..checks import check_fields
 from ..policy import About, Defaults, Needs, Scorer, check_choice, register
-from ..model_files import load_saved, other_model
+from ..model_files import load_saved, save_file, other_model
 
 # Offsets of the future queries: 1, 2, 4, ..., 65536 (official code pruning_utils.py::build_geometric_offsets
 # up to offset_max_length=65536: scripts/worker.py --triattention_frequency_window, vLLM core/config.py)
@@ -143,7 +143,8 @@ class QueryStats:
                              f"calibrate again ({STATS_HINT})")
 
     def save(self, path: str | Path) -> None:
-        torch.save({"kind": "kvsieve-triattention-stats", **asdict(self)}, path)
+        """Write the statistics to ``path`` (``model_files.save_file``: a full disk is an ``OSError``)."""
+        save_file({"kind": "kvsieve-triattention-stats", **asdict(self)}, path)
 
     @classmethod
     def read(cls, path: str | Path) -> "QueryStats":
