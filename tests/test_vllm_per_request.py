@@ -155,10 +155,17 @@ def test_an_unfittable_budget_finishes_that_request_with_an_error(llm, caplog):
     window above the budget) pass the key and type check; the scheduler finishes that request with
     an error before it is scheduled, alone or among others, which run to the end; every block
     comes back."""
+    from kvsieve.vllm import scheduler as scheduler_module
+
     scheduler = _scheduler(llm)
     refused = scheduler.sieve_stats["refused"]
-    with caplog.at_level(logging.WARNING):
-        alone = _run(llm, [(PROMPTS[0], {"kvsieve_budget": 8, "kvsieve_sinks": 16})], max_steps=5)
+    # kvsieve's lines go to vLLM's logger (which does not propagate to the root caplog watches)
+    scheduler_module.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            alone = _run(llm, [(PROMPTS[0], {"kvsieve_budget": 8, "kvsieve_sinks": 16})], max_steps=5)
+    finally:
+        scheduler_module.logger.removeHandler(caplog.handler)
     assert alone["reasons"] == ["error"] and alone["tokens"] == [[]] and alone["steps"] == 1
     assert alone["all_free"] and alone["used"] == [0]
     assert "raise kvsieve_budget to at least 16" in caplog.text

@@ -41,7 +41,7 @@ from . import CONFIG_KEY, check_vllm
 from .paged import blocks_for
 from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_overrides
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
 
 
 def settings_of(vllm_config) -> SieveSettings:

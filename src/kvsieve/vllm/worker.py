@@ -39,7 +39,7 @@ from .plan import Compaction, SieveSettings
 from .scheduler import settings_of
 from .store import RequestState, compress_requests
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
 _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
 LOG_EVERY_S = 30.0  # how often the worker logs the share of step time spent compacting
 
