@@ -58,14 +58,43 @@ def ranked(scores: torch.Tensor, pos: torch.Tensor, k: int, largest: bool = True
     tokens (vLLM's paged one) keep the same tokens even where scores tie, as the integer
     timestamps of LazyEviction and RaaS do by the dozen; ``topk`` alone leaves ties to the kernel.
     No paper fixes a tie rule; preferring the newer token is StreamingLLM's recency bias.
+    -0.0 ties with 0.0; positions are below 2**31 (``DEAD_POS`` included).  NaN has no place in
+    the order (scores never hold one: dead slots are -inf or +inf).
 
-    One ``topk`` over an int64 key, (score, position) in lexicographic order: a float32's bits,
-    its negative values' magnitude bits flipped, order as the floats do (-0.0 made 0.0 first);
-    the position (below 2**31, ``DEAD_POS`` included) fills the low 32 bits."""
+    Two ways to one answer, chosen by ``k`` alone (a Python int, so a compiled step traces one
+    graph): ``k == 1``, the one-token eviction in place of every decode step, is ``_best``, a min or
+    max and one arg-reduction (four kernels); any other ``k`` is one ``topk`` over ``rank_key``.
+    Building the key is what costs, not the int64 ``topk``: at the engine's step shape every
+    element-wise kernel is a few microseconds of dispatch whatever its size, and over wide rows a
+    ``where`` on mixed signs is the slowest pass (``benchmarks/tie_rule.py``, docs/benchmarks.md)."""
+    if k == 1:
+        return _best(scores, pos, largest)
+    return rank_key(scores, pos).topk(k, dim=-1, largest=largest).indices
+
+
+def rank_key(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[B, H, S] int64 keys whose integer order is ``ranked``'s: (score, position) in lexicographic
+    order.  The high 32 bits are the float32 score's bits (-0.0 made 0.0 first), its negative
+    values' magnitude bits flipped so that the integers order as the floats do; the position fills
+    the low 32 bits.  The flip is shift, mask and xor, not a ``where`` on the sign: on this CPU
+    ``where`` over a mask of mixed signs is a branchy loop, about 20x the three passes over 65k
+    scores; and shift-and-or is one ``add`` of the high part scaled by 2**32."""
     bits = (scores.float() + 0.0).view(torch.int32)  # [B, H, S]
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # as the floats order
-    key = (ordered << 32) | pos  # [B, H, S] int64
-    return key.topk(k, dim=-1, largest=largest).indices
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives (sign 1) get their magnitude bits flipped
+    return pos.add(ordered, alpha=1 << 32)  # int64: ordered * 2**32 + pos
+
+
+def _best(scores: torch.Tensor, pos: torch.Tensor, largest: bool) -> torch.Tensor:
+    """``ranked``'s first slot [B, H, 1] without its key: the best score (a max or min, which sees
+    -0.0 and 0.0 as equal, as the rule does), then among the slots holding it the newest
+    (``largest``) or the oldest position, every other slot pushed 2**32 out of the way (positions
+    are below 2**31) by adding its mask (strictly worse than the best: ``>`` is cheaper than ``!=``
+    here).  Four kernels against the key's six; at the engine's step shape, 2x faster."""
+    if largest:
+        best = scores.amax(dim=-1, keepdim=True)
+        return pos.add(scores < best, alpha=-(1 << 32)).argmax(dim=-1, keepdim=True)
+    best = scores.amin(dim=-1, keepdim=True)
+    return pos.add(scores > best, alpha=1 << 32).argmin(dim=-1, keepdim=True)
 
 
 def top_k_indices(scores: torch.Tensor, pos: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
