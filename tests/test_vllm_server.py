@@ -232,6 +232,7 @@ def complete(url: str, max_tokens: int, vllm_xargs: dict | None = None) -> reque
 @pytest.mark.parametrize("vllm_xargs, message", [
     ({"kvsieve_budgett": 32}, "kvsieve: unknown per-request setting 'kvsieve_budgett' (did you mean kvsieve_budget?)"),
     ({"kvsieve_budget": "32"}, "kvsieve: kvsieve_budget must be an integer, got '32' (str)"),
+    ({"kvsieve_budget": True}, "kvsieve: kvsieve_budget must be an integer, got True (bool)"),  # the gate sees JSON
 ])
 def test_a_bad_per_request_setting_is_http_400_before_it_is_queued(server, vllm_xargs, message):
     resp = complete(server, 8, vllm_xargs)
@@ -240,11 +241,13 @@ def test_a_bad_per_request_setting_is_http_400_before_it_is_queued(server, vllm_
 
 def test_per_request_settings_run_or_are_refused_alone(server):
     """A request with its own budget runs to the end; one whose settings do not fit the server's
-    method (a recent window above its budget) is finished with an error before it is scheduled,
-    alone in the server, and the server goes on: nothing runs, waits or holds a block after."""
+    method (a recent window above its budget) is answered by the HTTP gate with a 400 and the
+    reason, alone, and the server goes on: nothing runs, waits or holds a block after."""
     own = complete(server, 96, {"kvsieve_budget": 32})
     assert own.status_code == 200 and own.json()["usage"]["completion_tokens"] == 96, own.text
     refused = complete(server, 96, {"kvsieve_recent": 100})
-    # vLLM answers a request finished with an error status with HTTP 500; the reason is the server log's line
-    assert refused.status_code == 500, refused.text
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["message"] == (
+        f"kvsieve: streaming: budget {BUDGET} is smaller than the protected tokens: sinks 4 + recent 100; raise "
+        "kvsieve_budget to at least 104 or lower sinks/recent")
     assert {name: wait_idle(server)[name] for name in GAUGES_IDLE} == GAUGES_IDLE

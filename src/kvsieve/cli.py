@@ -440,7 +440,7 @@ def serve(
     `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`. A request may set
     its own kvsieve_budget, kvsieve_interval, kvsieve_sinks and kvsieve_recent in its body's vllm_xargs."""
     from .models import ModelNotInstalledError
-    from .vllm import UnsupportedVLLM, check_vllm, engine_kwargs
+    from .vllm import REQUEST_GATE, UnsupportedVLLM, check_vllm, engine_kwargs
     from .vllm import serve as vllm_serve
 
     try:
@@ -458,6 +458,7 @@ def serve(
     except ValueError as err:  # ModelNotFoundError
         raise typer.BadParameter(str(err), param_hint="MODEL") from None
     vllm_args, processors = vllm_serve.take_logits_processors(ctx.args)
+    vllm_args += ["--middleware", REQUEST_GATE]  # vLLM's --middleware appends: the user's own stay
     engine = engine_kwargs(**config)
     engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
     vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, vllm_args))

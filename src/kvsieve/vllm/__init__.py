@@ -24,6 +24,9 @@ WORKER_CLS = "kvsieve.vllm.worker.SieveCPUWorker"
 CONFIG_KEY = "kvsieve"  # additional_config[CONFIG_KEY]: the server-wide settings
 # a no-op logits processor whose validate_params checks a request's kvsieve_* keys before it is queued
 REQUEST_CHECK = "kvsieve.vllm.params:SieveRequestCheck"
+# ASGI middleware of the OpenAI server (--middleware): a request's kvsieve_* keys checked against the
+# server's settings, HTTP 400 with the reason when they do not fit (kvsieve serve adds it)
+REQUEST_GATE = "kvsieve.vllm.request_gate.SieveRequestGate"
 
 
 class UnsupportedVLLM(RuntimeError):

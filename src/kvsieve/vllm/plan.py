@@ -86,6 +86,37 @@ def request_overrides(extra_args: dict[str, Any] | None) -> dict[str, int]:
     return overrides
 
 
+def request_settings(server: "SieveSettings", extra_args: dict[str, Any] | None,
+                     max_model_len: int) -> tuple[dict[str, int], "SieveSettings"]:
+    """A request's ``kvsieve_*`` overrides and the settings it runs with on a server of ``server``
+    settings, or ``ValueError`` in one line naming the fix: a key or type that is wrong
+    (``request_overrides``), values that do not fit the method (``SieveSettings.for_request``), or
+    settings that need more recorded queries than the server's workers record.  One check in two
+    places: the HTTP gate answers it with a 400 before vLLM reads the request (``request_gate``), the
+    scheduler finishes a request that reaches it another way (``SieveScheduler.add_request``)."""
+    overrides = request_overrides(extra_args)
+    settings = server.for_request(overrides)
+    # the worker's rings are sized for the server's settings (no served key changes them now)
+    window, ring = settings.query_window(max_model_len), server.query_window(max_model_len)
+    if window > ring:
+        raise ValueError(f"kvsieve: these settings need {window} recorded queries per layer, more than the "
+                         f"server records ({ring})")
+    return overrides, settings
+
+
+def settings_of(vllm_config) -> "SieveSettings":
+    """A server's settings from its vLLM config (the scheduler's, the worker's and the HTTP
+    gate's alike), a budget-fitting method's ``horizon`` the model's ``max_model_len`` unless set:
+    no request runs longer."""
+    from . import CONFIG_KEY
+
+    extra = vllm_config.additional_config
+    config = dict((extra.get(CONFIG_KEY) if isinstance(extra, dict) else None) or {})
+    if config.get("horizon") is None:
+        config["horizon"] = vllm_config.model_config.max_model_len
+    return SieveSettings.from_config(config)
+
+
 def unserved(policy) -> str | None:
     """Why kvsieve's vLLM integration cannot serve ``policy`` (a ``kvsieve.policy.Policy``), in one
     phrase, or None when it can: every (layer, kv head) must keep one count the scheduler knows
@@ -120,7 +151,7 @@ class SieveSettings:
     many recent queries per (request, layer) recorded, beyond what the method asks for; ``horizon``:
     the longest request (prompt + output tokens) a budget is fitted to by a method that maps it to
     its own settings (``Needs.fits_budget``: LagKV's L and r, ``fit_budget``), the server's
-    ``max_model_len`` when unset (``scheduler.settings_of``); no other method reads it."""
+    ``max_model_len`` when unset (``settings_of``); no other method reads it."""
 
     method: str = "full"
     budget: int | None = None

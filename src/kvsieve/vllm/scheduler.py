@@ -37,21 +37,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from . import CONFIG_KEY, check_vllm
+from . import check_vllm
 from .paged import blocks_for
-from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_overrides
+from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
-
-
-def settings_of(vllm_config) -> SieveSettings:
-    """The server's settings (the scheduler's and the worker's alike), a budget-fitting method's
-    ``horizon`` the model's ``max_model_len`` unless set: no request runs longer."""
-    extra = vllm_config.additional_config
-    config = dict((extra.get(CONFIG_KEY) if isinstance(extra, dict) else None) or {})
-    if config.get("horizon") is None:
-        config["horizon"] = vllm_config.model_config.max_model_len
-    return SieveSettings.from_config(config)
 
 
 def refuse_unsupported(vllm_config, kv_cache_config) -> None:
@@ -173,13 +163,7 @@ class SieveScheduler(Scheduler):
         if request.request_id in self.requests or request.sampling_params is None:
             return super().add_request(request)  # a streaming session's next input; a pooling request
         try:
-            overrides = request_overrides(request.sampling_params.extra_args)
-            settings = self.sieve.for_request(overrides)
-            # the worker's rings are sized for the server's settings (no served key changes them now)
-            window, ring = settings.query_window(self.max_model_len), self.sieve.query_window(self.max_model_len)
-            if window > ring:
-                raise ValueError(f"kvsieve: these settings need {window} recorded queries per layer, more than the "
-                                 f"server records ({ring})")
+            overrides, settings = request_settings(self.sieve, request.sampling_params.extra_args, self.max_model_len)
         except ValueError as err:
             return self._refuse(request, str(err))
         if overrides:

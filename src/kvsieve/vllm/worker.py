@@ -35,8 +35,7 @@ from ..policy import Policy
 from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
 from .paged import CpuLayout
-from .plan import Compaction, SieveSettings
-from .scheduler import settings_of
+from .plan import Compaction, SieveSettings, settings_of
 from .store import RequestState, compress_requests
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
