@@ -23,6 +23,10 @@ A request may carry its own budget, interval, sinks and recent window (``kvsieve
 overrides, so the worker scores with the same policy.  Settings that do not fit the server are
 refused there, before the request is ever scheduled: it finishes with an error status and one
 logged line, and its output goes out with the next step's.
+
+No request can end the engine: a request whose compaction cannot be planned (step 1) or that the
+worker could not compress (``SieveRunnerOutput.kvsieve_failed``, step 4) is finished the same way,
+alone, and every other request runs on.
 """
 
 from __future__ import annotations
@@ -152,8 +156,8 @@ class SieveScheduler(Scheduler):
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
         # req_id -> (its kvsieve_* overrides, its settings): requests with their own, dropped with the request
         self.sieve_requests: dict[str, tuple[dict[str, int], SieveSettings]] = {}
-        self.sieve_refused: list[Request] = []  # finished at add_request; their outputs go out with the next step's
-        self.sieve_stats = {"compactions": 0, "blocks_freed": 0, "refused": 0}
+        self.sieve_ended: list[Request] = []  # finished by kvsieve; their outputs go out with the next step's
+        self.sieve_stats = {"compactions": 0, "blocks_freed": 0, "refused": 0, "failed": 0}
         logger.info("kvsieve scheduler: %s", self.sieve)
 
     # ------------------------------------------------------------------ a request's own settings
@@ -171,16 +175,20 @@ class SieveScheduler(Scheduler):
         super().add_request(request)
 
     def _refuse(self, request: Request, why: str) -> None:
-        """Finish ``request`` before it is ever scheduled, with ``FINISHED_ERROR`` and one logged
-        line.  vLLM emits a request's output only from ``update_from_output``, which the engine
+        """Finish ``request`` before it is ever scheduled (``_end``)."""
+        super().add_request(request)
+        self._end(request, "refused", why)
+
+    def _end(self, request: Request, what: str, why: str) -> None:
+        """Finish ``request`` with ``FINISHED_ERROR`` and one logged line; the other requests run
+        on.  vLLM emits a request's output only from ``update_from_output``, which the engine
         runs after every step while the scheduler has requests, finished ones included
         (``has_requests``): the finished id keeps the engine stepping, even when this request is
         alone in the server, and its output goes out with that step's."""
-        logger.warning("kvsieve: request %s refused: %s", request.request_id, why)
-        super().add_request(request)
+        logger.warning("kvsieve: request %s %s: %s", request.request_id, what, why)
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
-        self.sieve_refused.append(request)
-        self.sieve_stats["refused"] += 1
+        self.sieve_ended.append(request)
+        self.sieve_stats[what] += 1
 
     def _settings_of(self, req_id: str) -> tuple[dict[str, int], SieveSettings]:
         """The request's overrides and settings (none and the server's, for most)."""
@@ -202,36 +210,49 @@ class SieveScheduler(Scheduler):
                 del kept[req_id]
 
     def _cut(self) -> dict[str, tuple[Compaction, list[list], int]]:
-        """Step 1: cut the block lists of the running requests due for compression."""
-        pending = {}
+        """Step 1: cut the block lists of the running requests due for compression.  A request
+        whose count cannot be planned is ended alone (``_end``); the others go on."""
+        pending, failed = {}, []
         if not self.sieve.compresses:
             return pending
         for request in self.running:
             # prompt (or the recompute after a preemption) done: one sampled token not yet in the KV
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
-            req_id = request.request_id
-            old_offset = self.sieve_offsets.get(req_id, 0)
-            logical = request.num_computed_tokens
-            kv_len = logical - old_offset
-            # preempted since the last look: it has just recomputed its prompt and outputs in full
-            recomputed = request.num_preemptions > self.sieve_preemptions.get(req_id, 0)
-            if recomputed:
-                self.sieve_preemptions[req_id] = request.num_preemptions
-            overrides, settings = self._settings_of(req_id)
-            keep = keep_count(settings, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
-                              prompt_len=request.num_prompt_tokens, block_size=self.block_size)
-            if keep is None or keep >= kv_len:
+            try:
+                cut = self._cut_one(request)
+            except Exception as err:  # noqa: BLE001: any failure is this request's, never the server's
+                failed.append((request, f"{type(err).__name__}: {err}"))
                 continue
-            block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
-            # keep the blocks for the kept tokens and this step's one new token: the request reuses
-            # its own cut block instead of asking the pool for one while its cut blocks are held
-            held = self.kv_cache_manager.shrink(req_id, keep + 1)
-            kept_blocks = len(block_ids) - len(held[0])
-            self.sieve_offsets[req_id] = logical - keep
-            pending[req_id] = (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical,
-                                          request.num_prompt_tokens, overrides), held, old_offset)
+            if cut is not None:
+                pending[request.request_id] = cut
+        for request, why in failed:
+            self._end(request, "failed", f"its compaction could not be planned: {why}")
         return pending
+
+    def _cut_one(self, request: Request) -> tuple[Compaction, list[list], int] | None:
+        """The request's compaction, its cut blocks and its offset before, or None when none is due."""
+        req_id = request.request_id
+        old_offset = self.sieve_offsets.get(req_id, 0)
+        logical = request.num_computed_tokens
+        kv_len = logical - old_offset
+        # preempted since the last look: it has just recomputed its prompt and outputs in full
+        recomputed = request.num_preemptions > self.sieve_preemptions.get(req_id, 0)
+        if recomputed:
+            self.sieve_preemptions[req_id] = request.num_preemptions
+        overrides, settings = self._settings_of(req_id)
+        keep = keep_count(settings, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
+                          prompt_len=request.num_prompt_tokens, block_size=self.block_size)
+        if keep is None or keep >= kv_len:
+            return None
+        block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
+        # keep the blocks for the kept tokens and this step's one new token: the request reuses
+        # its own cut block instead of asking the pool for one while its cut blocks are held
+        held = self.kv_cache_manager.shrink(req_id, keep + 1)
+        kept_blocks = len(block_ids) - len(held[0])
+        self.sieve_offsets[req_id] = logical - keep
+        return (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical, request.num_prompt_tokens,
+                           overrides), held, old_offset)
 
     def _settle(self, pending, output: SchedulerOutput) -> list[Compaction]:
         """Step 3: keep the cuts of the requests scheduled this step, undo the others."""
@@ -272,11 +293,17 @@ class SieveScheduler(Scheduler):
             for held in self.sieve_held.pop(plan.step, ()):
                 self.sieve_stats["blocks_freed"] += sum(len(b) for b in held)
                 self.kv_cache_manager.release(held)
+        # requests the worker could not compress (SieveRunnerOutput): ended before vLLM takes this
+        # step's tokens, which it skips for finished requests
+        for req_id, why in (getattr(model_runner_output, "kvsieve_failed", None) or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():
+                self._end(request, "failed", f"its compaction failed: {why}")
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        for request in self.sieve_refused:  # as vLLM emits its own per-request errors (grammar, encoder cache)
+        for request in self.sieve_ended:  # as vLLM emits its own per-request errors (grammar, encoder cache)
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
                 events=request.take_events(), trace_headers=request.trace_headers))
-        self.sieve_refused.clear()
+        self.sieve_ended.clear()
         self._forget_finished()
         return outputs

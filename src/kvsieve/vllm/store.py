@@ -132,12 +132,22 @@ def alone(policy) -> bool:
     return (needs.observes and not needs.observes_last_only) or needs.rows_coupled
 
 
+class PartlyWritten(RuntimeError):
+    """A batch failed while its kept slots were being written: its requests' KV is part old, part new."""
+
+
 def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
-                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None) -> None:
+                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None) -> dict[str, str]:
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather, one scoring, one write for all of
     them), unless the policy's requests go ``alone``.
+
+    One request must not fail the others (a server serves them all): a batch scores every layer
+    before it writes any, so a batch that fails while scoring has changed nothing and its requests
+    are tried again one by one.  Returns the requests that could not be compressed, each with the
+    reason: their KV is as it was (or, where a write failed, part old and part new), and the
+    caller ends them.
 
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read
     through ``layout``; scalings: each layer's softmax scale; requests: each request's positions
@@ -149,8 +159,19 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     for i, (state, c) in enumerate(requests):
         held = rings.held(c.req_id) if reads_queries else 0
         groups.setdefault((i,) if alone(policy) else (c.keep, held), []).append((state, c))
+    failed: dict[str, str] = {}
     for group in groups.values():
-        _Batch(policy, layout, caches, group).compress(scalings, rings)
+        tries = [group]
+        while tries:
+            batch = tries.pop()
+            try:
+                _Batch(policy, layout, caches, batch).compress(scalings, rings)
+            except Exception as err:  # noqa: BLE001: any failure is one request's, never the server's
+                if len(batch) > 1 and not isinstance(err, PartlyWritten):
+                    tries += [[one] for one in batch]
+                else:
+                    failed.update({c.req_id: f"{type(err).__name__}: {err}" for _, c in batch})
+    return failed
 
 
 def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
@@ -160,7 +181,9 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     [n, H_q, D] in that layer, oldest first (None when the scorer reads none)."""
     queries = [queries_of(layer) for layer in range(len(caches))]
     rings = None if queries[0] is None else HeldRings({c.req_id: torch.stack(queries)})
-    compress_requests(policy, layout, caches, scalings, [(state, c)], rings)
+    failed = compress_requests(policy, layout, caches, scalings, [(state, c)], rings)
+    if failed:
+        raise RuntimeError(f"kvsieve: request {c.req_id} not compressed: {failed[c.req_id]}")
 
 
 class _Batch:
@@ -219,10 +242,11 @@ class _Batch:
         return view
 
     def compress(self, scalings: list[float], rings: Rings | None) -> None:
-        """Every layer's keep-set, written into the requests' first slots; the states updated.  A
-        cross-layer scorer (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer
-        read first, and every layer keeps the tokens of the mean of their scores
-        (``schedule.cross_layer_scores``)."""
+        """Every layer's keep-set, then every layer's kept slots written into the requests' first
+        slots (nothing is written when scoring fails; the kept keys and values of every layer are
+        held meanwhile, at most the requests' kept KV), then the states updated.  A cross-layer
+        scorer (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer read first, and
+        every layer keeps the tokens of the mean of their scores (``schedule.cross_layer_scores``)."""
         policy, needs = self.policy, self.policy.scorer.needs
         # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
         budget = policy.budget if needs.uses_budget else self.keep
@@ -230,17 +254,22 @@ class _Batch:
             if needs.cross_layer else None
         scores = None if views is None else cross_layer_scores(
             views, policy, self.seen, self.prompt_len if self.pinned is None else self.pinned)
-        new_pos, new_fields = [], {name: [] for name in self.fields}
-        for layer, cache in enumerate(self.caches):
+        chosen, new_pos, new_fields = [], [], {name: [] for name in self.fields}
+        for layer in range(len(self.caches)):  # every layer scored before any is written
             view = self.read(layer, scalings[layer], rings) if views is None else views[layer]
             kept = keep_set(view, policy, budget, self.seen, self.prompt_len, self.pinned, scores)  # [R, H, keep]
             if kept.shape[-1] != self.keep:
                 raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned "
                                    f"{self.keep}")
-            write_rows(self.layout, cache, self.table, take(view.keys, kept), take(view.values, kept))
+            chosen.append((take(view.keys, kept), take(view.values, kept)))  # [R, H, keep, D] each
             new_pos.append(self.pos[layer].gather(-1, kept))
             for name in self.fields:  # a scorer may have replaced a field in the view's dict (AMS's credit)
                 new_fields[name].append(view.meta[name].gather(-1, kept))
+        try:
+            for cache, (keys, values) in zip(self.caches, chosen):
+                write_rows(self.layout, cache, self.table, keys, values)
+        except Exception as err:
+            raise PartlyWritten(f"{type(err).__name__}: {err}") from err
         pos = torch.stack(new_pos, dim=1)  # [R, L, H, keep]
         fields = {name: torch.stack(t, dim=1) for name, t in new_fields.items()}
         for r, (state, c) in enumerate(zip(self.states, self.cs)):

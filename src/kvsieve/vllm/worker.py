@@ -12,7 +12,8 @@ Per step (docs/vllm-design.md, "The worker"):
    paged KV, the requests of one policy scored together, and they move into each request's first
    slots (``store.compress_requests``); then each request's block-table row is cut to its kept
    blocks (the scheduler has cut its own list the same way, so this step's new blocks append
-   after them);
+   after them).  A request that could not be compressed is named in the step's output
+   (``SieveRunnerOutput``) with the reason, and the scheduler ends it alone;
 2. vLLM's ``_prepare_inputs`` computes positions, slot mapping and sequence lengths from the logical
    ``num_computed_tokens``; ``_prepare_inputs`` here then subtracts each request's offset from the
    sequence lengths and recomputes the slot mapping from ``position - offset``, leaving the
@@ -21,6 +22,7 @@ Per step (docs/vllm-design.md, "The worker"):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -28,6 +30,7 @@ import numpy as np
 import psutil
 import torch
 from vllm.logger import init_logger
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -43,6 +46,15 @@ _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
 LOG_EVERY_S = 30.0  # how often the worker logs the share of step time spent compacting
 
 
+@dataclasses.dataclass
+class SieveRunnerOutput(ModelRunnerOutput):
+    """vLLM's model runner output with the requests whose compaction failed this step, each with
+    the reason (``store.compress_requests``): the scheduler ends them (``SieveScheduler``) and
+    every other request runs on."""
+
+    kvsieve_failed: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 class SieveCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
@@ -56,6 +68,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         # compactions applied; seconds spent compacting and in whole steps (execute_model), logged
         # every LOG_EVERY_S as the share of step time spent compacting
         self.sieve_stats = {"compactions": 0, "compact_s": 0.0, "step_s": 0.0, "steps": 0}
+        self.sieve_failed: dict[str, str] = {}  # req_id -> why this step could not compress it
         self.sieve_logged = time.monotonic()
 
     # ------------------------------------------------------------------ KV access
@@ -131,7 +144,10 @@ class SieveCPUModelRunner(CPUModelRunner):
         context = self.compilation_config.static_forward_context
         scalings = [float(context[n].impl.scale) for n in names]
         for policy, requests in by_policy.values():
-            compress_requests(policy, self.sieve_layout, caches, scalings, requests, self.sieve_recorder)
+            failed = compress_requests(policy, self.sieve_layout, caches, scalings, requests, self.sieve_recorder)
+            for req_id, why in failed.items():  # the scheduler ends them after this step (SieveRunnerOutput)
+                logger.warning("kvsieve: request %s not compressed, ending it: %s", req_id, why)
+            self.sieve_failed.update(failed)
         for c in compactions:  # the block-table rows: the kept blocks (the scheduler cut its lists the same way)
             req_state = self.requests[c.req_id]
             for ids in req_state.block_ids:
@@ -151,13 +167,22 @@ class SieveCPUModelRunner(CPUModelRunner):
             self.sieve_stats["compact_s"] += time.perf_counter() - start
         output = super().execute_model(scheduler_output, *args, **kwargs)
         self._sieve_time(start)
-        return output
+        return self._sieve_report(output)
 
     def sample_tokens(self, *args, **kwargs):
         """vLLM's second half of a step (sampling), counted in the step's time."""
         start = time.perf_counter()
         output = super().sample_tokens(*args, **kwargs)
         self.sieve_stats["step_s"] += time.perf_counter() - start
+        return self._sieve_report(output)
+
+    def _sieve_report(self, output):
+        """The step's output, carrying the requests this step failed to compress (``SieveRunnerOutput``)
+        for the scheduler to end; as it is when none failed or the step has no output yet."""
+        if not self.sieve_failed or not isinstance(output, ModelRunnerOutput):
+            return output
+        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(ModelRunnerOutput)}
+        output, self.sieve_failed = SieveRunnerOutput(**fields, kvsieve_failed=self.sieve_failed), {}
         return output
 
     def _sieve_time(self, start: float) -> None:
