@@ -200,6 +200,8 @@ def test_a_valid_configuration_passes_every_check(serve):
     code, lines, argv = serve(*TOVA, "--block-size", "32", "--max-model-len", "1024", "--port", "0", "-tp", "3",
                               "--kv-cache-memory-bytes", str(33 * 32 * TOKEN_BYTES))
     assert code == 0 and lines == [] and argv[-2:] == ["--kv-cache-memory-bytes", str(33 * 32 * TOKEN_BYTES)]
+    gate = argv.index("--middleware")  # the HTTP gate of a request's own settings (test_vllm_request_gate.py)
+    assert argv[gate + 1] == "kvsieve.vllm.request_gate.SieveRequestGate"
 
 
 def save_stats(path, layers=30, name="smollm2-135m", fingerprint=SMOL_PRINT):

@@ -467,10 +467,10 @@ def serve(
         raise typer.Exit(1) from None
     for line in notes:
         typer.echo(line, err=True)
-    vllm_args += ["--middleware", REQUEST_GATE]  # vLLM's --middleware appends: the user's own stay
     engine = engine_kwargs(**config)
     engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
-    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, vllm_args + picked))
+    gate = ["--middleware", REQUEST_GATE]  # vLLM's --middleware appends: the user's own stay
+    vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, gate + vllm_args + picked))
 
 
 def _register_subcommands() -> None:
