@@ -334,15 +334,17 @@ def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path)
 
 
 def test_requests_of_one_count_are_scored_in_one_call_per_layer(monkeypatch):
-    """Requests keeping the same count are scored together: one keep-set per layer for the three,
-    where a replaying scorer (H2O: every query since its last compaction) scores them one by one."""
+    """Requests keeping the same count are scored together: one keep-set per layer for the three.
+    A replaying scorer (H2O: every query since its last compaction) scores them one by one at the
+    first compaction, where each replays its own prompt, and together at the second, where each
+    replays its EXTRA decode queries."""
     import kvsieve.vllm.store as store
 
     calls = []
     real = store.keep_set
     monkeypatch.setattr(store, "keep_set", lambda layer, *args: calls.append(layer.keys.shape[0]) or real(layer, *args))
     requests = _pool_requests(5)
-    for method, expected in (("tova", [3] * L * 2), ("h2o", [1] * 3 * L * 2)):
+    for method, expected in (("tova", [3] * L * 2), ("h2o", [1] * 3 * L + [3] * L)):
         calls.clear()
         settings = SieveSettings.from_config({"method": method, "budget": BUDGET})
         _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, together=True)

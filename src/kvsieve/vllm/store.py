@@ -17,7 +17,8 @@ method's math is written here.
 
 Scorers that observe attention rows get them recomputed here from the recorded queries: the
 newest row alone for TOVA (``Needs.observes_last_only``, batched), every row since the last
-compaction for H2O, LazyEviction and RaaS (``observe_since``, one request at a time).
+compaction for H2O, LazyEviction and RaaS (``observe_since``: one call per query, the requests
+that replay alike together).
 """
 
 from __future__ import annotations
@@ -87,31 +88,45 @@ class RequestState:
         return tail if name not in self.fields else torch.cat([self.fields[name], tail], dim=-1)
 
 
-def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: int, since: int,
-                  prompt_len: int) -> None:
-    """Hand ``scorer.observe`` the attention rows of one request's queries at positions ``since`` ..
-    ``logical_len - 1`` (those after its last compaction), as kvsieve's engine does: the prompt's
-    (positions below ``prompt_len``) in one call, then one call per decode query.  ``layer`` is a
-    batch of one row (the rows' replays differ in length, so requests are replayed one by one).
+def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: torch.Tensor, since: torch.Tensor,
+                  prompt_len: torch.Tensor) -> None:
+    """Hand ``scorer.observe`` the attention rows of each request's queries at positions ``since``
+    .. ``logical_len - 1`` (those after its last compaction), as kvsieve's engine does: a prompt's
+    (positions below ``prompt_len``) in one call, then one call per decode query, every row of
+    the batch at once.  The rows replay alike (``replay_shape``): a batch of one request when it
+    has prompt queries to replay, else rows with as many decode queries each.
 
-    queries: [n, H_q, D] the request's recorded queries, oldest first, at positions
-    ``logical_len - n`` .. ``logical_len - 1``; each call's rows are [1, H_kv, G, T, S].  Each call
-    sees the layer as it was then: slots appended after the call's last query are dead (their
-    position DEAD_POS), so a scorer's ``live()`` and its writes leave them at their initial state."""
-    n = queries.shape[0]
-    if n == 0 or since < logical_len - n:
-        raise RuntimeError(f"kvsieve: {scorer.name} observes the queries from position {since} on, but only the "
-                           f"last {n} of {logical_len} were recorded")
-    calls = [(since, min(prompt_len, logical_len))] if since < prompt_len else []
-    calls += [(p, p + 1) for p in range(max(since, prompt_len), logical_len)]
-    pos = layer.meta["pos"]  # [1, H_kv, S]
-    for start, end in calls:
-        rows = queries[start - (logical_len - n):end - (logical_len - n)]  # [T, H_q, D]
-        query, qpos = rows.permute(1, 0, 2)[None], torch.arange(start, end)[None]  # [1, H_q, T, D], [1, T]
-        then = dataclasses.replace(layer, meta={**layer.meta, "pos": pos.masked_fill(pos >= end, DEAD_POS)})
-        allowed = visible(then.meta["pos"], qpos, layer.sliding_window)  # [1, H_kv, T, S]: causal by position
-        scorer.observe(then, attention_probs(query, layer.keys, allowed, layer.scaling), qpos)
-        layer.meta.update({name: t for name, t in then.meta.items() if name != "pos"})  # fields a scorer replaced
+    queries: [R, n, H_q, D] each request's last n recorded queries, oldest first, at positions
+    ``logical_len - n`` .. ``logical_len - 1`` (logical_len, since, prompt_len: [R]); each call's
+    rows are [R, H_kv, G, T, S].  Each call sees the layer as it was then: slots appended after
+    the call's query are dead (their position DEAD_POS), so a scorer's ``live()`` and its writes
+    leave them at their initial state."""
+    R, n = queries.shape[:2]
+    first = logical_len - n  # [R] the position of each request's oldest recorded query
+    if n == 0 or bool((since < first).any()):
+        raise RuntimeError(f"kvsieve: {scorer.name} observes the queries from position {since.tolist()} on, but only "
+                           f"the last {n} of {logical_len.tolist()} were recorded")
+    pos = layer.meta["pos"]  # [R, H_kv, S]
+    rows = torch.arange(R)
+    if bool((since < prompt_len).any()):  # a batch of one: the prompt's rows in one call
+        start, end = int(since[0]), int(min(prompt_len[0], logical_len[0]))
+        query = queries[0, start - int(first[0]):end - int(first[0])].permute(1, 0, 2)[None]  # [1, H_q, T, D]
+        _observe_then(scorer, layer, pos, query, torch.arange(start, end)[None], torch.tensor([end]))
+    decode_from = torch.maximum(since, prompt_len)  # [R]
+    for step in range(int((logical_len - decode_from)[0])):
+        at = decode_from + step  # [R] each request's query position in this call
+        query = queries[rows, at - first][:, :, None]  # [R, H_q, 1, D]
+        _observe_then(scorer, layer, pos, query, at[:, None], at + 1)
+
+
+def _observe_then(scorer, layer: LayerView, pos: torch.Tensor, query: torch.Tensor, qpos: torch.Tensor,
+                  end: torch.Tensor) -> None:
+    """One observe call: the rows of ``query`` [R, H_q, T, D] at positions ``qpos`` [R, T], over
+    the layer as it was when row r held the positions below ``end[r]`` (later slots dead)."""
+    then = dataclasses.replace(layer, meta={**layer.meta, "pos": pos.masked_fill(pos >= end[:, None, None], DEAD_POS)})
+    allowed = visible(then.meta["pos"], qpos, layer.sliding_window)  # [R, H_kv, T, S]: causal by position
+    scorer.observe(then, attention_probs(query, layer.keys, allowed, layer.scaling), qpos)
+    layer.meta.update({name: t for name, t in then.meta.items() if name != "pos"})  # fields a scorer replaced
 
 
 def observe_last(scorer, layer: LayerView, last: torch.Tensor, seen: torch.Tensor) -> None:
@@ -123,13 +138,17 @@ def observe_last(scorer, layer: LayerView, last: torch.Tensor, seen: torch.Tenso
     scorer.observe(layer, attention_probs(last[:, :, None], layer.keys, allowed, layer.scaling), qpos)
 
 
-def alone(policy) -> bool:
-    """Whether the policy's requests are compressed one by one: a scorer that replays every query
-    since the last compaction (H2O, LazyEviction, RaaS: each request's replay has its own length)
-    or whose rows read each other (``Needs.rows_coupled``).  Every other scorer scores each row
-    from that row alone, so requests compressed in one step are scored as one batch."""
+def replays(policy) -> bool:
+    """Whether the policy's scorer replays every query since a request's last compaction (H2O,
+    LazyEviction, RaaS: ``observe_since``), not only the newest (TOVA: ``observe_last``)."""
     needs = policy.scorer.needs
-    return (needs.observes and not needs.observes_last_only) or needs.rows_coupled
+    return needs.observes and not needs.observes_last_only
+
+
+def replay_shape(state: RequestState, c: Compaction) -> tuple[bool, int]:
+    """What a request's replay looks like: whether it has prompt queries to replay (its first
+    compaction), and how many queries it replays in all."""
+    return state.next_pos < c.prompt_len, c.logical_len - state.next_pos
 
 
 class PartlyWritten(RuntimeError):
@@ -141,7 +160,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather, one scoring, one write for all of
-    them), unless the policy's requests go ``alone``.
+    them); a replaying scorer's requests also replay as many queries, none of them a prompt's
+    (``replay_shape``), and a scorer whose rows read each other (``Needs.rows_coupled``: AMS's
+    batch segmentation) has its requests compressed one at a time.
 
     One request must not fail the others (a server serves them all): a batch scores every layer
     before it writes any, so a batch that fails while scoring has changed nothing and its requests
@@ -158,7 +179,14 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     groups: dict[tuple, list[tuple[RequestState, Compaction]]] = {}
     for i, (state, c) in enumerate(requests):
         held = rings.held(c.req_id) if reads_queries else 0
-        groups.setdefault((i,) if alone(policy) else (c.keep, held), []).append((state, c))
+        if needs.rows_coupled:  # rows that read each other: one request at a time
+            key = (i,)
+        elif replays(policy):  # rows that replay alike; a prompt's replay has its own length
+            prompt, count = replay_shape(state, c)
+            key = (i,) if prompt else (c.keep, held if needs.query_window else 0, count)
+        else:
+            key = (c.keep, held)
+        groups.setdefault(key, []).append((state, c))
     failed: dict[str, str] = {}
     for group in groups.values():
         tries = [group]
@@ -213,7 +241,7 @@ class _Batch:
         self.fields = {name: torch.stack([pad(st.field(name, init, c.kv_len, L, H), S, init)
                                           for st, c in requests], dim=1)  # [L, R, H, S]
                        for name, init in needs.meta.items()}
-        prompts = torch.tensor([c.prompt_len for c in self.cs])  # [R]
+        self.prompts = prompts = torch.tensor([c.prompt_len for c in self.cs])  # [R]
         self.kept_prompt = prompts if policy.protect_prompt or policy.pin_prompt else None
         self.prompt_len = prompts if policy.protect_prompt else None
         self.pinned = prompts.clamp(max=policy.budget) if policy.pin_prompt else None
@@ -235,10 +263,13 @@ class _Batch:
                          layer, S, prompt_len=self.kept_prompt)
         if needs.observes_last_only:
             observe_last(policy.scorer, view, rings.rows(layer, req_ids, 1)[:, 0], self.seen)
-        elif needs.observes:  # alone: a batch of one, every query its ring holds
-            queries = rings.rows(layer, req_ids, rings.held(req_ids[0]))[0]  # [n, H_q, D]
-            observe_since(policy.scorer, view, queries, self.cs[0].logical_len, self.states[0].next_pos,
-                          self.cs[0].prompt_len)
+        elif needs.observes:  # rows that replay alike: each one's queries since its last compaction
+            since = torch.tensor([st.next_pos for st in self.states])  # [R]
+            n = int(self.seen[0] - since[0])  # the same in every row (replay_shape)
+            if any(rings.held(r) < n for r in req_ids):
+                raise RuntimeError(f"kvsieve: {policy.scorer.name} replays {n} queries, more than were recorded")
+            queries = rings.rows(layer, req_ids, n)  # [R, n, H_q, D]
+            observe_since(policy.scorer, view, queries, self.seen, since, self.prompts)
         return view
 
     def compress(self, scalings: list[float], rings: Rings | None) -> None:
