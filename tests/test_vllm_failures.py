@@ -7,6 +7,7 @@ the worker is broken after its first compaction (its positions lose their layers
 scheduler's settings for a request are gone.  On the bundled SmolLM2-135M (fp32, eager, greedy),
 TOVA at budget 64 with the serving defaults (compacted once per block of 32).  Needs the vLLM
 environment; skipped where vLLM is not installed.  One engine start-up, about a minute on 2 cores.
+The same engine's counts behind kvsieve's /metrics are checked against its scheduler's (issue 59).
 """
 
 import gc
@@ -128,3 +129,47 @@ def test_a_request_whose_compaction_cannot_be_planned_ends_alone(llm):
     assert scheduler.sieve_stats["failed"] == failed_before + 1
     assert not scheduler.sieve_requests  # (offsets of finished requests go at the next schedule)
     assert not any(req_id in scheduler.requests for req_id in scheduler.sieve_offsets)
+
+
+def test_the_workers_counts_behind_metrics_agree_with_the_scheduler(llm):
+    """The counts the server's /metrics shows (the worker's, ``kvsieve_stats``) against the
+    scheduler's own, over one run of three requests: the same compactions and blocks given back;
+    by hand, TOVA at budget 64 with the block-aligned default compacts a request when it holds 3
+    full blocks of 32 (96 tokens), so each compaction evicts 32 tokens and frees no block (the
+    kept 64 and the next token fit the 3); every request is scheduled once per new token and never
+    holds more than 96 tokens."""
+    from kvsieve.vllm.metrics import KV_BUCKETS
+
+    scheduler = _scheduler(llm)
+    sched_before, worker_before = dict(scheduler.sieve_stats), llm.collective_rpc("kvsieve_stats")[0]
+    run = _run(llm, PROMPTS)
+    sched, worker = scheduler.sieve_stats, llm.collective_rpc("kvsieve_stats")[0]
+    assert run["reasons"] == ["length"] * 3
+
+    def delta(key, now, before):
+        return now[key] - before[key]
+
+    compactions = delta("compactions", worker, worker_before)
+    assert compactions == delta("compactions", sched, sched_before) > 0
+    assert delta("freed_blocks", worker, worker_before) == delta("blocks_freed", sched, sched_before) == 0
+    assert delta("evicted_tokens", worker, worker_before) == 32 * compactions
+    assert delta("kv_count", worker, worker_before) == 3 * NEW_TOKENS
+    over_96 = [now - before for now, before, bound in zip(worker["kv_buckets"], worker_before["kv_buckets"],
+                                                          [*KV_BUCKETS, None]) if bound is None or bound > 128]
+    assert not any(over_96)
+
+
+def test_the_start_up_line_says_what_the_defaults_became():
+    from kvsieve.vllm.plan import SieveSettings
+    from kvsieve.vllm.scheduler import effective_settings
+
+    tova = SieveSettings.from_config({"method": "tova", "budget": 64, "horizon": 1024})
+    assert effective_settings(tova, 32) == (
+        "method tova, budget 64, sinks 0, recent 0; compacts when a request's next token needs a new block of 32, "
+        "at least 1 tokens over the count, and the prompt at once; the budget holds prompt and output tokens "
+        "alike; options none")
+    snapkv = SieveSettings.from_config({"method": "snapkv", "budget": 128, "interval": 16, "horizon": 1024})
+    assert effective_settings(snapkv, 32).startswith(
+        "method snapkv, budget 128, sinks 0, recent 64; compacts every 16 decode steps over the count, and the "
+        "prompt at once;")
+    assert effective_settings(SieveSettings.from_config({"method": "full"}), 32) == "method full: nothing is evicted"

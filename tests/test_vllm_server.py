@@ -251,3 +251,37 @@ def test_per_request_settings_run_or_are_refused_alone(server):
         f"kvsieve: streaming: budget {BUDGET} is smaller than the protected tokens: sinks 4 + recent 100; raise "
         "kvsieve_budget to at least 104 or lower sinks/recent")
     assert {name: wait_idle(server)[name] for name in GAUGES_IDLE} == GAUGES_IDLE
+
+
+def kvsieve_series(url: str) -> dict[str, float]:
+    """kvsieve's series on the server's /metrics, by name and labels."""
+    page = requests.get(f"{url}/metrics", timeout=30).text
+    return {name: float(value) for name, _, value in
+            (line.rpartition(" ") for line in page.splitlines() if line.startswith("kvsieve_"))}
+
+
+def test_metrics_show_the_compactions_a_request_had(server):
+    """/metrics carries kvsieve's series beside vLLM's, labelled with the method, and one request's
+    counts are what the schedule gives by hand: StreamingLLM at budget BUDGET every INTERVAL decode
+    steps compacts a request holding more than BUDGET tokens down to BUDGET, evicting the rest and
+    giving back the blocks beyond the BUDGET + 1 tokens it keeps (its next token included)."""
+    label = '{method="streaming"}'
+    before = kvsieve_series(server)
+    assert f"kvsieve_compactions_total{label}" in before and "vllm:num_requests_running" not in before
+    done = complete(server, 96)
+    assert done.status_code == 200, done.text
+    prompt = done.json()["usage"]["prompt_tokens"]
+    compactions = evicted = freed = offset = 0
+    for logical in range(prompt + 1, prompt + 96 - 1):  # the KV length checked before each decode step
+        held = logical - offset
+        if (logical - prompt) % INTERVAL == 0 and held > BUDGET:
+            compactions, evicted = compactions + 1, evicted + held - BUDGET
+            freed += -(-held // BLOCK) - -(-(BUDGET + 1) // BLOCK)
+            offset = logical - BUDGET
+    after = kvsieve_series(server)
+    assert compactions >= 2
+    for name, expected in (("compactions", compactions), ("evicted_tokens", evicted), ("freed_blocks", freed)):
+        key = f"kvsieve_{name}_total{label}"
+        assert after[key] - before[key] == expected, name
+    count = 'kvsieve_request_kv_tokens_count{method="streaming"}'
+    assert after[count] - before[count] == 96  # scheduled once per new token: the prefill, then 95 steps

@@ -441,7 +441,7 @@ def serve(
     --kv-cache-memory-bytes, a pool that fits this machine is passed on and said on stderr. A request may set
     its own kvsieve_budget, kvsieve_interval, kvsieve_sinks and kvsieve_recent in its body's vllm_xargs."""
     from .models import ModelNotInstalledError
-    from .vllm import REQUEST_GATE, UnsupportedVLLM, check_vllm, engine_kwargs
+    from .vllm import METRICS, REQUEST_GATE, UnsupportedVLLM, check_platform, check_vllm, engine_kwargs
     from .vllm import serve as vllm_serve
     from .vllm.preflight import preflight
 
@@ -453,6 +453,7 @@ def serve(
         raise typer.BadParameter(str(err)) from None
     try:
         check_vllm()
+        check_platform()
         path = vllm_serve.resolve_model(model)
     except (UnsupportedVLLM, ModelNotInstalledError) as err:
         typer.echo(f"error: {err}", err=True)
@@ -469,7 +470,7 @@ def serve(
         typer.echo(line, err=True)
     engine = engine_kwargs(**config)
     engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
-    gate = ["--middleware", REQUEST_GATE]  # vLLM's --middleware appends: the user's own stay
+    gate = ["--middleware", REQUEST_GATE, "--middleware", METRICS]  # vLLM's --middleware appends: a user's stay
     vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, gate + vllm_args + picked))
 
 

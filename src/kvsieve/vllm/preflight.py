@@ -234,6 +234,15 @@ def check_block_size(options: ServeOptions) -> None:
                          f"attention needs; use --block-size 32, 64 or 128 (vLLM's default on CPU)")
 
 
+def check_attention(shape: ModelShape) -> None:
+    """Every layer must attend to every token: a sliding-window layer has a KV cache group of its
+    own, and kvsieve's scheduler keeps one block table per request (``refuse_unsupported``)."""
+    if not shape.full_attention:
+        raise ValueError(f"{shape.path} has sliding-window layers (sliding_window {shape.get('sliding_window')}), "
+                         "which kvsieve cannot serve inside vLLM (one block table per request); serve a model of "
+                         "full attention, or run this one in kvsieve's own engine (kvsieve generate)")
+
+
 def check_tensor_parallel(options: ServeOptions, shape: ModelShape) -> None:
     tp = options.tensor_parallel_size
     if shape.heads and tp >= 1 and shape.heads % tp:
@@ -377,6 +386,7 @@ def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str],
     if shape is None:
         check_port(options)
         return [], []
+    check_attention(shape)
     check_tensor_parallel(options, shape)
     check_pool(options, shape)
     check_stats(config, shape)

@@ -69,6 +69,23 @@ def refuse_unsupported(vllm_config, kv_cache_config) -> None:
         raise ValueError("kvsieve cannot serve with " + "; ".join(why))
 
 
+def effective_settings(settings: SieveSettings, block_size: int) -> str:
+    """One line of what the server runs: the method and what its defaults became (budget, sinks,
+    recent window, when it compacts, what the budget holds), logged once at start-up."""
+    if not settings.compresses:
+        return "method full: nothing is evicted"
+    policy = settings.policy
+    when = (f"every {settings.interval} decode steps over the count" if settings.interval is not None else
+            f"when a request's next token needs a new block of {block_size}, at least {policy.interval} tokens "
+            "over the count")
+    holds = "the prompt outside the budget" if policy.protect_prompt else \
+        "the prompt inside the budget, pinned" if policy.pin_prompt else "prompt and output tokens alike"
+    count = f"budget {policy.budget}" if policy.scorer.needs.uses_budget else "its own count rule (no budget)"
+    return (f"method {settings.method}, {count}, sinks {policy.sinks}, recent {policy.recent}; compacts {when}"
+            f"{', and the prompt at once' if policy.compress_prefill else ''}; the budget holds {holds}; "
+            f"options {settings.options or 'none'}")
+
+
 class _KVView:
     """A running request as the KV cache manager should see it: its KV length, not its logical
     length (``num_computed_tokens`` and ``num_tokens`` less the offset); everything else is the request's."""
@@ -158,7 +175,7 @@ class SieveScheduler(Scheduler):
         self.sieve_requests: dict[str, tuple[dict[str, int], SieveSettings]] = {}
         self.sieve_ended: list[Request] = []  # finished by kvsieve; their outputs go out with the next step's
         self.sieve_stats = {"compactions": 0, "blocks_freed": 0, "refused": 0, "failed": 0}
-        logger.info("kvsieve scheduler: %s", self.sieve)
+        logger.info("kvsieve scheduler: %s", effective_settings(self.sieve, self.block_size))
 
     # ------------------------------------------------------------------ a request's own settings
     def add_request(self, request: Request) -> None:

@@ -37,6 +37,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from ..policy import Policy
 from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
+from .metrics import WorkerCounts
 from .paged import CpuLayout
 from .plan import Compaction, SieveSettings, settings_of
 from .store import RequestState, compress_requests
@@ -65,9 +66,9 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_request_policies: dict[str, Policy] = {}  # req_id -> its own Policy (kvsieve_* keys)
         self.sieve_offsets: dict[str, int] = {}
         self.sieve_recorder: QueryRecorder | None = None
-        # compactions applied; seconds spent compacting and in whole steps (execute_model), logged
-        # every LOG_EVERY_S as the share of step time spent compacting
-        self.sieve_stats = {"compactions": 0, "compact_s": 0.0, "step_s": 0.0, "steps": 0}
+        # compactions applied, tokens evicted, blocks freed, seconds spent compacting and in whole
+        # steps (the share is logged every LOG_EVERY_S), each step's KV lengths: kvsieve's /metrics
+        self.sieve_stats = WorkerCounts()
         self.sieve_failed: dict[str, str] = {}  # req_id -> why this step could not compress it
         self.sieve_logged = time.monotonic()
 
@@ -155,7 +156,11 @@ class SieveCPUModelRunner(CPUModelRunner):
             row = self.input_batch.req_id_to_index.get(c.req_id)
             if row is not None:
                 self.input_batch.block_table.add_row(req_state.block_ids, row)
-        self.sieve_stats["compactions"] += len(compactions)
+        stats = self.sieve_stats
+        stats.compactions += len(compactions)
+        stats.evicted_tokens += sum(c.kv_len - c.keep for c in compactions)
+        stats.freed_blocks += sum(len(c.block_ids) - c.kept_blocks for c in compactions)
+        stats.failed_requests += len(self.sieve_failed)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         start = time.perf_counter()
@@ -164,7 +169,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_offsets = {} if plan is None else plan.offsets
         if plan is not None and plan.compactions:
             self._sieve_compact(plan.compactions)
-            self.sieve_stats["compact_s"] += time.perf_counter() - start
+            self.sieve_stats.compact_s += time.perf_counter() - start
         output = super().execute_model(scheduler_output, *args, **kwargs)
         self._sieve_time(start)
         return self._sieve_report(output)
@@ -173,7 +178,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         """vLLM's second half of a step (sampling), counted in the step's time."""
         start = time.perf_counter()
         output = super().sample_tokens(*args, **kwargs)
-        self.sieve_stats["step_s"] += time.perf_counter() - start
+        self.sieve_stats.step_s += time.perf_counter() - start
         return self._sieve_report(output)
 
     def _sieve_report(self, output):
@@ -189,13 +194,13 @@ class SieveCPUModelRunner(CPUModelRunner):
         """Count the step begun at ``start``; every ``LOG_EVERY_S`` seconds, log the share of step time
         spent compacting so far (what a server's log shows of compaction's cost)."""
         stats = self.sieve_stats
-        stats["step_s"] += time.perf_counter() - start
-        stats["steps"] += 1
+        stats.step_s += time.perf_counter() - start
+        stats.steps += 1
         if self.sieve.compresses and time.monotonic() - self.sieve_logged >= LOG_EVERY_S:
             self.sieve_logged = time.monotonic()
             logger.info("kvsieve: %d steps, %d compactions, compacting %.1f%% of step time (%.1f of %.1f s)",
-                        stats["steps"], stats["compactions"], 100 * stats["compact_s"] / max(stats["step_s"], 1e-9),
-                        stats["compact_s"], stats["step_s"])
+                        stats.steps, stats.compactions, 100 * stats.compact_s / max(stats.step_s, 1e-9),
+                        stats.compact_s, stats.step_s)
 
     # ------------------------------------------------------------------ the two lengths
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
@@ -215,6 +220,7 @@ class SieveCPUModelRunner(CPUModelRunner):
                 kv_positions = self.positions[:total] - offsets[req_indices]
                 self.input_batch.block_table.compute_slot_mapping(
                     num_reqs, self.query_start_loc.gpu[: num_reqs + 1], kv_positions)
+        self.sieve_stats.observe_kv(self.seq_lens[:num_reqs].tolist())  # each request's KV tokens, this step's in
         if _DEBUG:  # KVSIEVE_VLLM_DEBUG=1: what this step's attention reads and writes, per request
             bt = self.input_batch.block_table[0]
             logger.info("kvsieve step: %s", {
@@ -236,6 +242,7 @@ class SieveCPUWorker(CPUWorker):
         self.model_runner = SieveCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
     def kvsieve_stats(self) -> dict:
-        """The runner's compactions and seconds compacting and stepping so far, for
-        ``LLM.collective_rpc("kvsieve_stats")`` (vLLM's public call into every worker)."""
-        return dict(self.model_runner.sieve_stats)
+        """The runner's counts so far (``metrics.WorkerCounts``: compactions, tokens evicted, blocks
+        freed, seconds compacting and stepping, KV lengths), for ``LLM.collective_rpc("kvsieve_stats")``
+        and the server's /metrics (vLLM's public call into every worker)."""
+        return self.model_runner.sieve_stats.as_dict()
