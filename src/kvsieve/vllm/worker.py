@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -56,10 +57,23 @@ class SieveRunnerOutput(ModelRunnerOutput):
     kvsieve_failed: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+def check_stats(settings: SieveSettings, hf_config) -> None:
+    """A method's statistics file (TriAttention's ``stats``) must be the served model's, by name
+    and shape (``QueryStats.check``, as kvsieve's engine checks it when the method attaches): refused
+    when the worker starts, not at the first compaction.  ``kvsieve serve`` checks it before vLLM
+    starts (``preflight.check_stats``); this covers ``vllm.LLM`` from Python."""
+    stats = settings.options.get("stats")
+    if stats and settings.method.split(":", 1)[-1] == "triattention":
+        from ..methods.triattention import QueryStats
+
+        QueryStats.read(stats).check(SimpleNamespace(config=hf_config), stats)
+
+
 class SieveCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
         self.sieve: SieveSettings = settings_of(vllm_config).for_model(vllm_config.model_config.hf_config)
+        check_stats(self.sieve, vllm_config.model_config.hf_config)
         self.sieve_policy = self.sieve.policy  # kvsieve's Policy: its scorer chooses the kept tokens
         self.sieve_layout = CpuLayout()
         self.sieve_requests: dict[str, RequestState] = {}
