@@ -278,13 +278,17 @@ def table(rows: list[dict]) -> str:
 
 def plot(runs: list[dict], path: str, methods: list[str] | None = None) -> None:
     """Tokens/s against KV pool size: plain vLLM (the mean of its runs at each pool, their range as
-    an error bar) and each kvsieve method of ``methods`` (default: every one in ``runs``)."""
+    an error bar) and each kvsieve method of ``methods`` (default: every one in ``runs``), at the
+    budget of the first kvsieve run (runs at other budgets are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in runs if r["ok"]]
+    sample = next((r["config"] for r in ok if r["config"]["method"] != "plain"), ok[0]["config"] if ok else None)
+    budget = (sample or {}).get("kvsieve", {}).get("budget")  # one budget per plot: the first run's
+    ok = [r for r in ok if r["config"]["method"] == "plain" or r["config"].get("kvsieve", {}).get("budget") == budget]
     names = methods or list(dict.fromkeys(r["config"]["method"] for r in ok if r["config"]["method"] != "plain"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     plain: dict[int, list[float]] = {}
@@ -299,7 +303,6 @@ def plot(runs: list[dict], path: str, methods: list[str] | None = None) -> None:
         points = sorted((r["config"]["pool_tokens"], r["tokens_per_s"]) for r in ok if r["config"]["method"] == name)
         if points:
             ax.plot(*zip(*points), marker="o", label=f"kvsieve {name}")
-    sample = next((r["config"] for r in ok if r["config"]["method"] != "plain"), ok[0]["config"] if ok else None)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV pool (tokens)")
     ax.set_ylabel("output tokens/s")
