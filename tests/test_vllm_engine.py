@@ -13,7 +13,7 @@ import gc
 
 import pytest
 
-from vllm_support import model_dir, require_vllm
+from vllm_support import model_dir, require_vllm, scheduler_of
 
 require_vllm()
 
@@ -58,10 +58,6 @@ def _greedy(llm, prompts, n):
     return [list(o.outputs[0].token_ids) for o in outs], [list(o.prompt_token_ids) for o in outs]
 
 
-def _scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
 @pytest.fixture(scope="module")
 def plain_tokens():
     llm = _engine()
@@ -88,7 +84,7 @@ def test_streaming_matches_kvsieves_own_engine(plain_tokens):
 
     llm = _engine(method="streaming", budget=BUDGET, interval=INTERVAL)
     tokens, _ = _greedy(llm, PROMPTS, 96)
-    compactions = _scheduler(llm).sieve_stats["compactions"]
+    compactions = scheduler_of(llm).sieve_stats["compactions"]
     _close(llm)
     assert compactions > 0
 
@@ -108,7 +104,7 @@ def test_a_long_request_holds_a_constant_number_of_blocks():
     from vllm import SamplingParams
 
     llm = _engine(method="streaming", budget=BUDGET, interval=INTERVAL)
-    engine, scheduler = llm.llm_engine, _scheduler(llm)
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     total = pool.num_gpu_blocks - 1
     engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
@@ -130,7 +126,7 @@ def test_by_default_a_request_is_compacted_once_per_block():
     from vllm import SamplingParams
 
     llm = _engine(method="tova", budget=BUDGET)
-    engine, scheduler = llm.llm_engine, _scheduler(llm)
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     total = pool.num_gpu_blocks - 1
     engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
@@ -150,7 +146,7 @@ def test_every_block_comes_back_after_aborts_and_preemptions():
     from vllm import SamplingParams
 
     llm = _engine(kv_blocks=24, method="streaming", budget=BUDGET, interval=INTERVAL)
-    engine, scheduler = llm.llm_engine, _scheduler(llm)
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     total = pool.num_gpu_blocks - 1
     for i in range(6):
@@ -177,7 +173,7 @@ def test_preempted_requests_recompute_compress_and_finish():
     from vllm import SamplingParams
 
     llm = _engine(kv_blocks=20, method="streaming", budget=BUDGET, interval=INTERVAL)
-    engine, scheduler = llm.llm_engine, _scheduler(llm)
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     total = pool.num_gpu_blocks - 1
     for i in range(9):

@@ -14,7 +14,7 @@ import gc
 
 import pytest
 
-from vllm_support import model_dir, require_vllm
+from vllm_support import model_dir, require_vllm, run_to_end, scheduler_of
 
 require_vllm()
 
@@ -38,32 +38,14 @@ def llm():
     gc.collect()
 
 
-def _scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
 def _run(llm, prompts: list[str], fault=None, max_steps: int = 4 * NEW_TOKENS) -> dict:
-    """Run ``prompts`` together as r0, r1, ..., stepping the engine; ``fault(llm, step)`` is called
-    after every step.  Each request's tokens and finish reason, and whether every block is back."""
+    """Run ``prompts`` together as r0, r1, ... to the end (``run_to_end``); ``fault(llm, step)`` is
+    called after every step."""
     from vllm import SamplingParams
 
-    engine = llm.llm_engine
-    pool = _scheduler(llm).kv_cache_manager.block_pool
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    tokens, reasons, steps = {}, {}, 0
-    while engine.has_unfinished_requests() and steps < max_steps:
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-                reasons[out.request_id] = out.outputs[0].finish_reason
-        steps += 1
-        if fault is not None:
-            fault(llm, steps)
-    return {"tokens": [tokens.get(f"r{i}") for i in range(len(prompts))],
-            "reasons": [reasons.get(f"r{i}") for i in range(len(prompts))],
-            "all_free": pool.get_num_free_blocks() == pool.num_gpu_blocks - 1}
+    after = None if fault is None else (lambda step: fault(llm, step))
+    return run_to_end(llm, [(prompt, params) for prompt in prompts], max_steps, after)
 
 
 def _break_worker_state(req_id: str):
@@ -90,7 +72,7 @@ def _lose_scheduler_settings(req_id: str, after_step: int):
     planning its next compaction fails."""
     def fault(llm, step):
         if step == after_step:
-            scheduler = _scheduler(llm)
+            scheduler = scheduler_of(llm)
             scheduler.sieve_requests[next(r for r in scheduler.requests if _is(r, req_id))] = ({}, None)
     return fault
 
@@ -103,7 +85,7 @@ def _is(internal_id: str, req_id: str) -> bool:
 def test_a_request_whose_compaction_fails_ends_alone_and_the_engine_goes_on(llm):
     clean = _run(llm, PROMPTS)
     assert clean["reasons"] == ["length"] * 3 and clean["all_free"]
-    scheduler = _scheduler(llm)
+    scheduler = scheduler_of(llm)
     failed_before = scheduler.sieve_stats["failed"]
 
     broken = _run(llm, PROMPTS, fault=_break_worker_state("r1"))
@@ -120,7 +102,7 @@ def test_a_request_whose_compaction_fails_ends_alone_and_the_engine_goes_on(llm)
 
 def test_a_request_whose_compaction_cannot_be_planned_ends_alone(llm):
     clean = _run(llm, PROMPTS)
-    scheduler = _scheduler(llm)
+    scheduler = scheduler_of(llm)
     failed_before = scheduler.sieve_stats["failed"]
     lost = _run(llm, PROMPTS, fault=_lose_scheduler_settings("r2", after_step=40))
     assert lost["reasons"] == ["length", "length", "error"] and lost["all_free"]
@@ -131,7 +113,7 @@ def test_a_request_whose_compaction_cannot_be_planned_ends_alone(llm):
     assert not any(req_id in scheduler.requests for req_id in scheduler.sieve_offsets)
 
 
-def test_the_workers_counts_behind_metrics_agree_with_the_scheduler(llm):
+def test_the_workers_counts_behind_metrics_agree_with_thescheduler_of(llm):
     """The counts the server's /metrics shows (the worker's, ``kvsieve_stats``) against the
     scheduler's own, over one run of three requests: the same compactions and blocks given back;
     by hand, TOVA at budget 64 with the block-aligned default compacts a request when it holds 3
@@ -140,7 +122,7 @@ def test_the_workers_counts_behind_metrics_agree_with_the_scheduler(llm):
     holds more than 96 tokens."""
     from kvsieve.vllm.metrics import KV_BUCKETS
 
-    scheduler = _scheduler(llm)
+    scheduler = scheduler_of(llm)
     sched_before, worker_before = dict(scheduler.sieve_stats), llm.collective_rpc("kvsieve_stats")[0]
     run = _run(llm, PROMPTS)
     sched, worker = scheduler.sieve_stats, llm.collective_rpc("kvsieve_stats")[0]

@@ -19,7 +19,7 @@ import logging
 
 import pytest
 
-from vllm_support import model_dir, require_vllm
+from vllm_support import model_dir, require_vllm, run_to_end, scheduler_of
 
 require_vllm()
 
@@ -54,10 +54,6 @@ def _close(llm) -> None:
     gc.collect()
 
 
-def _scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
 def _params(extra_args: dict | None = None):
     from vllm import SamplingParams
 
@@ -65,25 +61,8 @@ def _params(extra_args: dict | None = None):
 
 
 def _run(llm, requests: list[tuple[str, dict | None]], max_steps: int = 10 * NEW_TOKENS) -> dict:
-    """Run ``requests`` (prompt, extra_args) together to the end, stepping the engine: each one's
-    tokens and finish reason, the blocks in use after every step, the steps taken, and the free
-    blocks at the end against the pool's."""
-    engine = llm.llm_engine
-    pool = _scheduler(llm).kv_cache_manager.block_pool
-    total = pool.num_gpu_blocks - 1
-    for i, (prompt, extra_args) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, _params(extra_args))
-    tokens, reasons, used, steps = {}, {}, [], 0
-    while engine.has_unfinished_requests() and steps < max_steps:
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-                reasons[out.request_id] = out.outputs[0].finish_reason
-        steps += 1
-        used.append(total - pool.get_num_free_blocks())
-    return {"tokens": [tokens.get(f"r{i}") for i in range(len(requests))],
-            "reasons": [reasons.get(f"r{i}") for i in range(len(requests))],
-            "used": used, "steps": steps, "all_free": pool.get_num_free_blocks() == total}
+    """Run ``requests`` (prompt, extra_args) together to the end (``run_to_end``)."""
+    return run_to_end(llm, [(prompt, _params(extra_args)) for prompt, extra_args in requests], max_steps)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +103,7 @@ def test_a_requests_own_budget_gives_that_budgets_tokens_and_blocks(llm, server_
 def test_two_requests_with_different_budgets_in_one_batch(llm, server_wide):
     """Two requests of different settings (budget; budget and recent window) run together, each
     token for token what a server started with its settings gives for it in the same batch."""
-    scheduler = _scheduler(llm)
+    scheduler = scheduler_of(llm)
     before = scheduler.sieve_stats["compactions"]
     pair = _run(llm, [(PROMPTS[0], _xargs(OWN)), (PROMPTS[1], _xargs(OTHER))])
     assert pair["reasons"] == ["length", "length"] and pair["all_free"]
@@ -147,7 +126,7 @@ def test_bad_keys_and_values_are_refused_before_queueing(llm, extra_args, messag
     with pytest.raises(VLLMValidationError) as refused:
         llm.generate(PROMPTS[0], _params(extra_args), use_tqdm=False)
     assert message in str(refused.value) and "\n" not in str(refused.value)
-    assert not _scheduler(llm).requests and not llm.llm_engine.has_unfinished_requests()
+    assert not scheduler_of(llm).requests and not llm.llm_engine.has_unfinished_requests()
 
 
 def test_an_unfittable_budget_finishes_that_request_with_an_error(llm, caplog):
@@ -157,7 +136,7 @@ def test_an_unfittable_budget_finishes_that_request_with_an_error(llm, caplog):
     comes back."""
     from kvsieve.vllm import scheduler as scheduler_module
 
-    scheduler = _scheduler(llm)
+    scheduler = scheduler_of(llm)
     refused = scheduler.sieve_stats["refused"]
     # kvsieve's lines go to vLLM's logger (which does not propagate to the root caplog watches)
     scheduler_module.logger.addHandler(caplog.handler)

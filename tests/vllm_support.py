@@ -47,3 +47,33 @@ def load_script(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def scheduler_of(llm):
+    """The kvsieve scheduler of an in-process ``vllm.LLM`` (``require_vllm``'s engine core)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def run_to_end(llm, requests: list, max_steps: int, after_step=None) -> dict:
+    """Add ``requests`` ((prompt, SamplingParams) each, as r0, r1, ...) and step the engine until
+    they finish or ``max_steps`` have run; ``after_step(step)`` is called after every step.  Each
+    request's tokens and finish reason, the blocks in use after every step, the steps taken, and
+    whether every block is back at the end."""
+    engine = llm.llm_engine
+    pool = scheduler_of(llm).kv_cache_manager.block_pool
+    total = pool.num_gpu_blocks - 1  # one block is vLLM's null block
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens, reasons, used, steps = {}, {}, [], 0
+    while engine.has_unfinished_requests() and steps < max_steps:
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                reasons[out.request_id] = out.outputs[0].finish_reason
+        steps += 1
+        used.append(total - pool.get_num_free_blocks())
+        if after_step is not None:
+            after_step(steps)
+    return {"tokens": [tokens.get(f"r{i}") for i in range(len(requests))],
+            "reasons": [reasons.get(f"r{i}") for i in range(len(requests))],
+            "used": used, "steps": steps, "all_free": pool.get_num_free_blocks() == total}

@@ -23,6 +23,7 @@ Series, each labelled with the served method:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ class WorkerCounts:
     def observe_kv(self, lengths: list[int]) -> None:
         """One step's KV tokens of each scheduled request, into the histogram."""
         for n in lengths:
-            self.kv_buckets[next((i for i, bound in enumerate(KV_BUCKETS) if n <= bound), len(KV_BUCKETS))] += 1
+            self.kv_buckets[bisect_left(KV_BUCKETS, n)] += 1  # the first bound >= n; past the last: +Inf
         self.kv_sum += sum(lengths)
         self.kv_count += len(lengths)
 
@@ -91,6 +92,7 @@ class SieveMetrics:
 
     def __init__(self, app) -> None:
         self.app = app
+        self.method: str | None = None  # the served method's name: read at the first scrape
 
     async def __call__(self, scope: Scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "GET" or scope.get("path") != "/metrics":
@@ -113,14 +115,15 @@ class SieveMetrics:
         await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    @staticmethod
-    async def kvsieve_text(scope: Scope) -> str:
+    async def kvsieve_text(self, scope: Scope) -> str:
         """kvsieve's series, from the first worker's counts (empty when the engine does not answer)."""
         from .plan import settings_of
 
         state = scope["app"].state
+        if self.method is None:  # the settings are the server's for its life: built once, not per scrape
+            self.method = settings_of(state.vllm_config).method
         try:
             counts = await state.engine_client.collective_rpc("kvsieve_stats", timeout=10)
         except Exception:  # noqa: BLE001: a busy or failed engine must not take vLLM's page down with it
             return ""
-        return prometheus_text(counts[0], settings_of(state.vllm_config).method) if counts else ""
+        return prometheus_text(counts[0], self.method) if counts else ""

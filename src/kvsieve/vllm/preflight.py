@@ -363,17 +363,18 @@ def pick_pool(options: ServeOptions, shape: ModelShape, available: int) -> tuple
     return blocks * block_bytes, line
 
 
-def check_stats(config: dict, shape: ModelShape) -> None:
-    """TriAttention statistics (``options.stats``) must be the served model's: its name and
-    fingerprint, its layers, heads and head dim, as the transformers engine checks them at
-    ``attach`` (``QueryStats.check``), here before vLLM starts."""
-    stats = (config.get("options") or {}).get("stats")
+def check_stats(options: dict, model_config) -> None:
+    """TriAttention statistics (the method's ``options["stats"]``, the only method that takes a
+    statistics file) must be the model's of ``model_config`` (its HF config, or one read from
+    ``config.json``): its name and fingerprint, its layers, heads and head dim, as the transformers
+    engine checks them at ``attach`` (``QueryStats.check``).  Here before vLLM starts; the vLLM
+    worker runs it again when it starts, for ``vllm.LLM`` from Python."""
+    stats = options.get("stats")
     if not stats:
         return
     from ..methods.triattention import QueryStats
 
-    model = SimpleNamespace(config=SimpleNamespace(**{**shape.config, "_name_or_path": shape.path}))
-    QueryStats.read(stats).check(model, stats)
+    QueryStats.read(stats).check(SimpleNamespace(config=model_config), stats)
 
 
 def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str], list[str]]:
@@ -389,7 +390,7 @@ def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str],
     check_attention(shape)
     check_tensor_parallel(options, shape)
     check_pool(options, shape)
-    check_stats(config, shape)
+    check_stats(config.get("options") or {}, SimpleNamespace(**{**shape.config, "_name_or_path": shape.path}))
     check_port(options)
     picked = pick_pool(options, shape, available_memory())
     if picked is None:

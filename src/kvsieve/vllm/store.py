@@ -235,6 +235,7 @@ class _Batch:
         self.live = torch.arange(S)[None] < self.lengths[:, None]  # [R, S]
         self.table = block_table([c.block_ids for c in self.cs])  # [R, max blocks]
         self.seen = torch.tensor([c.logical_len for c in self.cs])  # [R]: each next token's position
+        self.since = torch.tensor([st.next_pos for st in self.states])  # [R]: each last compaction's position
         needs = policy.scorer.needs
         self.pos = torch.stack([pad(st.positions(c.kv_len, L, H), S, DEAD_POS)
                                 for st, c in requests], dim=1)  # [L, R, H, S]
@@ -264,12 +265,11 @@ class _Batch:
         if needs.observes_last_only:
             observe_last(policy.scorer, view, rings.rows(layer, req_ids, 1)[:, 0], self.seen)
         elif needs.observes:  # rows that replay alike: each one's queries since its last compaction
-            since = torch.tensor([st.next_pos for st in self.states])  # [R]
-            n = int(self.seen[0] - since[0])  # the same in every row (replay_shape)
+            n = int(self.seen[0] - self.since[0])  # the same in every row (replay_shape)
             if any(rings.held(r) < n for r in req_ids):
                 raise RuntimeError(f"kvsieve: {policy.scorer.name} replays {n} queries, more than were recorded")
             queries = rings.rows(layer, req_ids, n)  # [R, n, H_q, D]
-            observe_since(policy.scorer, view, queries, self.seen, since, self.prompts)
+            observe_since(policy.scorer, view, queries, self.seen, self.since, self.prompts)
         return view
 
     def compress(self, scalings: list[float], rings: Rings | None) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -41,6 +40,7 @@ from .attention import QueryRecorder, SieveCPUAttentionImpl, install
 from .metrics import WorkerCounts
 from .paged import CpuLayout
 from .plan import Compaction, SieveSettings, settings_of
+from .preflight import check_stats
 from .store import RequestState, compress_requests
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
@@ -57,23 +57,11 @@ class SieveRunnerOutput(ModelRunnerOutput):
     kvsieve_failed: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def check_stats(settings: SieveSettings, hf_config) -> None:
-    """A method's statistics file (TriAttention's ``stats``) must be the served model's, by name
-    and shape (``QueryStats.check``, as kvsieve's engine checks it when the method attaches): refused
-    when the worker starts, not at the first compaction.  ``kvsieve serve`` checks it before vLLM
-    starts (``preflight.check_stats``); this covers ``vllm.LLM`` from Python."""
-    stats = settings.options.get("stats")
-    if stats and settings.method.split(":", 1)[-1] == "triattention":
-        from ..methods.triattention import QueryStats
-
-        QueryStats.read(stats).check(SimpleNamespace(config=hf_config), stats)
-
-
 class SieveCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
         self.sieve: SieveSettings = settings_of(vllm_config).for_model(vllm_config.model_config.hf_config)
-        check_stats(self.sieve, vllm_config.model_config.hf_config)
+        check_stats(self.sieve.options, vllm_config.model_config.hf_config)  # refused now, not at a compaction
         self.sieve_policy = self.sieve.policy  # kvsieve's Policy: its scorer chooses the kept tokens
         self.sieve_layout = CpuLayout()
         self.sieve_requests: dict[str, RequestState] = {}
@@ -163,6 +151,7 @@ class SieveCPUModelRunner(CPUModelRunner):
             for req_id, why in failed.items():  # the scheduler ends them after this step (SieveRunnerOutput)
                 logger.warning("kvsieve: request %s not compressed, ending it: %s", req_id, why)
             self.sieve_failed.update(failed)
+            self.sieve_stats.failed_requests += len(failed)
         for c in compactions:  # the block-table rows: the kept blocks (the scheduler cut its lists the same way)
             req_state = self.requests[c.req_id]
             for ids in req_state.block_ids:
@@ -174,7 +163,6 @@ class SieveCPUModelRunner(CPUModelRunner):
         stats.compactions += len(compactions)
         stats.evicted_tokens += sum(c.kv_len - c.keep for c in compactions)
         stats.freed_blocks += sum(len(c.block_ids) - c.kept_blocks for c in compactions)
-        stats.failed_requests += len(self.sieve_failed)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         start = time.perf_counter()
