@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from .allocators import Uniform
 from .checks import SettingError, check_at_least, check_fields
+
+if TYPE_CHECKING:  # schedule imports this module
+    from .schedule import Feed
 
 SCORERS: dict[str, type["Scorer"]] = {}
 
@@ -63,6 +66,9 @@ class Needs:
         ``observe()`` gets every step's attention rows.
     observes_last_only : bool
         Only the newest query's attention is kept (TOVA): steps between compressions skip it.
+    observes_steps : bool
+        ``observe(..., steps=True)`` takes T decode steps' rows in one call and leaves the state T
+        calls of one row leave (vLLM's worker replays a request's queries since a compaction so).
     query_window : int
         Recent post-RoPE queries per layer the engine keeps for ``score``.
     per_token_hook : bool
@@ -96,6 +102,7 @@ class Needs:
     kv_sums: tuple[str, ...] = ()
     observes: bool = False
     observes_last_only: bool = False
+    observes_steps: bool = False
     query_window: int = 0
     per_token_hook: bool = False
     slot_order_free: bool = False
@@ -190,9 +197,10 @@ class Scorer:
         text or hidden states (SkipKV) set up here and clean up on exit; the default yields None."""
         return contextlib.nullcontext()
 
-    def observe(self, layer, probs: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor | None:
+    def observe(self, layer, probs: torch.Tensor, query_pos: torch.Tensor, steps: bool = False) -> torch.Tensor | None:
         """Update per-token state from this step's attention rows [B, H_kv, G, T, capacity]
-        (zero rows for padding queries); ``query_pos`` [B, T] are the queries' positions.
+        (zero rows for padding queries); ``query_pos`` [B, T] are the queries' positions: one
+        pass's (a prefill chunk when T > 1), or with ``steps`` T decode steps (``Needs.observes_steps``).
         May return weights [B, H_kv, R, capacity] whose mixes of V the attention pass computes
         alongside its output (``layer.step_results["value_mix"]``, see ``attention.Observer``)."""
 
@@ -227,31 +235,6 @@ def check_choice(value, allowed, what: str) -> None:
     """Raise a ValueError naming the allowed values (for scorer ``__post_init__`` checks)."""
     if value not in allowed:
         raise ValueError(f"{what} must be one of {list(allowed)}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Feed:
-    """How ``DecodeSession`` hands a batch's tokens to the store between compression checks: what
-    a self-sizing scorer's peak (``Scorer.sized``) is bounded over.
-
-    ``prompt``: the batch's longest prompt in real tokens (0: not known, ``kvsieve.hf``);
-    ``block``: ``Policy.prefill_block_size()``, the prompt arrives in blocks of this many tokens,
-    each followed by a check (None: whole, checked once after prefill, or without
-    ``compress_prefill`` first at decode step ``interval``); ``interval``, ``compress_prefill``: the ``Policy``'s.
-    """
-
-    prompt: int = 0
-    block: int | None = None
-    interval: int = 1
-    compress_prefill: bool = True
-
-    @property
-    def held(self) -> int:
-        """Tokens the longest row holds at its first check when its prompt arrives whole: the
-        prompt, and ``interval`` decode tokens more without ``compress_prefill`` (0 with blocks)."""
-        if self.block is not None:
-            return 0
-        return self.prompt + (0 if self.compress_prefill else self.interval)
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch
 
 from .cache import DEAD_POS
 from .engine import Store, StoreLayer
-from .policy import Feed, Policy, Scorer
+from .policy import Policy, Scorer
 
 
 # ---------------------------------------------------------------------------- keep-sets
@@ -66,7 +66,8 @@ def ranked(scores: torch.Tensor, pos: torch.Tensor, k: int, largest: bool = True
     max and one arg-reduction (four kernels); any other ``k`` is one ``topk`` over ``rank_key``.
     Building the key is what costs, not the int64 ``topk``: at the engine's step shape every
     element-wise kernel is a few microseconds of dispatch whatever its size, and over wide rows a
-    ``where`` on mixed signs is the slowest pass (``benchmarks/tie_rule.py``, docs/benchmarks.md)."""
+    ``where`` on mixed signs is the slowest pass.  End to end the rule costs no measurable step
+    time (docs/benchmarks.md, "The tie rule's cost"); ``tests/test_tie_rule.py`` checks its order."""
     if k == 1:
         return _best(scores, pos, largest)
     return rank_key(scores, pos).topk(k, dim=-1, largest=largest).indices
@@ -281,6 +282,31 @@ def layer_budgets(policy: Policy, num_layers: int) -> list[int | None]:
         return [None] * num_layers
     budgets = policy.allocator.layer_budgets(policy.budget, num_layers, policy.sinks + policy.recent)
     return [b if i >= policy.scorer.needs.whole_layers else None for i, b in enumerate(budgets)]
+
+
+@dataclass(frozen=True)
+class Feed:
+    """How ``DecodeSession`` hands a batch's tokens to the store between compression checks: what
+    a self-sizing scorer's peak (``Scorer.sized``) is bounded over.
+
+    ``prompt``: the batch's longest prompt in real tokens (0: not known, ``kvsieve.hf``);
+    ``block``: ``Policy.prefill_block_size()``, the prompt arrives in blocks of this many tokens,
+    each followed by a check (None: whole, checked once after prefill, or without
+    ``compress_prefill`` first at decode step ``interval``); ``interval``, ``compress_prefill``: the ``Policy``'s.
+    """
+
+    prompt: int = 0
+    block: int | None = None
+    interval: int = 1
+    compress_prefill: bool = True
+
+    @property
+    def held(self) -> int:
+        """Tokens the longest row holds at its first check when its prompt arrives whole: the
+        prompt, and ``interval`` decode tokens more without ``compress_prefill`` (0 with blocks)."""
+        if self.block is not None:
+            return 0
+        return self.prompt + (0 if self.compress_prefill else self.interval)
 
 
 def feed(policy: Policy, prompt: int = 0) -> Feed:

@@ -20,7 +20,7 @@ from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.eval.perplexity import score_text
 from kvsieve.methods import make_policy
 from kvsieve.methods.lagkv import LagKV, peak_tokens, scheduled_peak
-from kvsieve.policy import Feed
+from kvsieve.schedule import Feed
 from kvsieve import schedule
 from kvsieve.schedule import Schedule, compress_layer, drop_dead_layer, observer
 from kvsieve.random_models import ByteTokenizer

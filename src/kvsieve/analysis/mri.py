@@ -79,9 +79,9 @@ class MRIRecorder(Scorer):
     def should_compress(self, layer, budget):
         return False
 
-    def observe(self, layer, probs, query_pos):
+    def observe(self, layer, probs, query_pos, steps=False):
         self.layers[id(layer)] = layer
-        self.tracker.observe(layer, probs, query_pos)
+        self.tracker.observe(layer, probs, query_pos, steps)
 
 
 def load_prompts(path, samples: int, seed: int = 0) -> list[str]:

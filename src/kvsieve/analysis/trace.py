@@ -218,9 +218,9 @@ class TracingScorer(Scorer):
         self.recording.number(layer)
         return self.inner.should_compress(layer, budget)
 
-    def observe(self, layer, probs, query_pos):
+    def observe(self, layer, probs, query_pos, steps=False):
         self.recording.flush()
-        return self.inner.observe(layer, probs, query_pos)
+        return self.inner.observe(layer, probs, query_pos, steps)
 
     def score(self, layer, seen_tokens):
         return self.inner.score(layer, seen_tokens)

@@ -72,8 +72,8 @@ class WrappingScorer(Scorer):
         needs none of its own, but without it a base that sets up in ``attach`` would run blind."""
         return self.inner.attach(model, tokenizer)
 
-    def observe(self, layer, probs, query_pos):
-        return self.inner.observe(layer, probs, query_pos)
+    def observe(self, layer, probs, query_pos, steps=False):
+        return self.inner.observe(layer, probs, query_pos, steps)
 
     def score(self, layer, seen_tokens):
         return self.inner.score(layer, seen_tokens)

@@ -143,7 +143,7 @@ class CAOTE(WrappingScorer):
         sums = (*inner.needs.kv_sums, "value_sum") if self.fast else inner.needs.kv_sums
         self.wrap("fastcaote" if self.fast else "caote", inner, example="tova",
                   kv_fields=tuple(dict.fromkeys((*inner.needs.kv_fields, "value_sqnorm"))),
-                  kv_sums=tuple(dict.fromkeys(sums)))
+                  kv_sums=tuple(dict.fromkeys(sums)), observes_steps=False)  # its mix is one step's
 
     def base_scores(self, layer, seen_tokens) -> torch.Tensor:
         """Base scores per query head, [B, H_kv, G', cap]: G' = 1 for a base that reads no
@@ -165,7 +165,7 @@ class CAOTE(WrappingScorer):
             return queries.shape[1] // layer.lengths.shape[1]
         return 1
 
-    def observe(self, layer, probs, query_pos):
+    def observe(self, layer, probs, query_pos, steps=False):
         """The base's update, then (decode steps) the weights of the output the errors are
         measured from: h of Eq. (21) for CAOTE (o = h V, Eq. 20), uniform over the live tokens
         for FastCAOTE (the mean value, Eq. 22).  The attention pass returns o with its own

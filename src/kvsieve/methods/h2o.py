@@ -49,7 +49,8 @@ class H2O(Scorer):
                   "Zhang et al. 2023 (arXiv:2306.14048), Sec. 5: heavy and recent budgets equal; recent_rule="
                   "'lazy-window': recent = LazyEviction's W, as its H2O baseline (LazyEviction App. C)")
     # the attention each token received, summed; per-token scores: the engine may evict in place
-    needs = Needs(meta={"acc": 0.0}, observes=True, slot_order_free=True)
+    # observes_steps: T steps' rows add up as T calls of one do (a sum; the order of the adds apart)
+    needs = Needs(meta={"acc": 0.0}, observes=True, observes_steps=True, slot_order_free=True)
     # interval 1: the greedy eviction policy (Sec. 3) evicts at every decoding step; sinks 0 and
     # protect_prompt False: Sec. 5 splits the whole budget into heavy hitters and recent tokens, no share
     # for sinks or the prompt; compress_prefill True: kvsieve's choice, a prompt longer than the budget is
@@ -65,8 +66,8 @@ class H2O(Scorer):
         if self.recent_rule == "lazy-window":
             self.defaults = replace(self.defaults, recent=LAZY_WINDOW)
 
-    def observe(self, layer, probs, query_pos):
-        # probs: [B, H_kv, G, T, cap] -> summed over the group and this step's queries
+    def observe(self, layer, probs, query_pos, steps=False):
+        # probs: [B, H_kv, G, T, cap] -> summed over the group and the call's queries (T steps or a prefill chunk)
         layer.meta["acc"] += reduce_group(probs, self.head_reduction).sum(dim=2)
 
     def score(self, layer, seen_tokens):

@@ -64,7 +64,8 @@ from functools import partial
 import torch
 
 from ..checks import SettingError
-from ..policy import About, Defaults, Feed, Needs, Scorer, check_choice, register
+from ..policy import About, Defaults, Needs, Scorer, check_choice, register
+from ..schedule import Feed
 from ._lag import DueTable, find_tail, gather_partitions, lag_score, to_slots
 
 PAPER_LAGS = (128, 512, 1024)  # Sec. 3.1 "Parameter Spaces": L = 128, 512 and 1024

@@ -190,7 +190,8 @@ class LazyEviction(Scorer):
                   "timestamps over decoding steps only, the prompt born at the prefill, step 0 (Sec. 4, Alg. 1); "
                   "interval = W, budget >= 2W")
     # new tokens: born now (TS = own position), MRI 0 (Sec. 4); per-token scores: evicted in place
-    needs = Needs(meta={"ts": TS_UNSET, "mri": 0.0}, observes=True, slot_order_free=True)
+    # observes_steps: T decode steps' rows in one call are Alg. 1 run T times (observe_timestamps)
+    needs = Needs(meta={"ts": TS_UNSET, "mri": 0.0}, observes=True, observes_steps=True, slot_order_free=True)
     # compress_prefill False: Alg. 1 line 8 / App. B, eviction only "at the decoding step t = kW", k in N+,
     # never at the prefill (the prompt is scored like generated tokens, App. H.2); protect_prompt False:
     # App. H.2-H.3 "we treat Prefill and Decode tokens equally": prompt tokens compete.  Interval and recent
@@ -263,9 +264,9 @@ class LazyEviction(Scorer):
         """For one generate call: alpha from the model's family when ``family="auto"``."""
         return alpha_for_call(self, model)
 
-    def observe(self, layer, probs, query_pos):
-        # probs: [B, H_kv, G, T, cap]; T > 1 only for prefill chunks
-        if probs.shape[3] > 1 and not self.observe_prompt:  # a prefill chunk: no step of Alg. 1, only births
+    def observe(self, layer, probs, query_pos, steps=False):
+        # probs: [B, H_kv, G, T, cap]; T > 1: a prefill chunk, or with ``steps`` T decode steps
+        if probs.shape[3] > 1 and not steps and not self.observe_prompt:  # a prefill chunk: only births
             born = prefill_timestamps(layer, query_pos) if self.prompt_birth == "prefill" else born_timestamps(layer)
             layer.meta["ts"].copy_(born)
             return

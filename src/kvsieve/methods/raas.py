@@ -53,7 +53,8 @@ class RaaS(Scorer):
                   "Hu et al. 2025 (arXiv:2502.11147) as in LazyEviction App. C, H.2: every step; "
                   "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
     # new tokens: born now, not prompt; per-token scores: the engine may evict in place
-    needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, slot_order_free=True)
+    # observes_steps: T decode steps' rows in one call set TS as T calls do (observe_timestamps)
+    needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, observes_steps=True, slot_order_free=True)
     # protect_prompt False (inherited): RaaS keeps the prompt by its own rule, inside the budget (App. H.2:
     # it "mandatorily retain[s] all Prefill tokens"; H.3: "the KV cache budget becomes saturated by the
     # prefill tokens"), so the prompt is not put outside it
@@ -72,11 +73,11 @@ class RaaS(Scorer):
         """For one generate call: alpha from the model's family when ``family="auto"``."""
         return alpha_for_call(self, model)
 
-    def observe(self, layer, probs, query_pos):
-        # probs: [B, H_kv, G, T, cap]; a multi-query call is a prefill chunk, and everything
-        # cached during prefill is prompt.  (A final prefill chunk of one token is taken for
-        # a decode step: the engine does not say which phase it is in.)
-        if probs.shape[3] > 1:
+    def observe(self, layer, probs, query_pos, steps=False):
+        # probs: [B, H_kv, G, T, cap]; a multi-query call without ``steps`` is a prefill chunk, and
+        # everything cached during prefill is prompt.  (A final prefill chunk of one token is taken
+        # for a decode step: the engine does not say which phase it is in.)
+        if probs.shape[3] > 1 and not steps:
             layer.meta["prompt"].copy_(layer.live())
         observe_timestamps(layer, probs, query_pos, threshold(self), self.head_reduction, track_mri=False)
 

@@ -48,7 +48,7 @@ class TOVA(Scorer):
         # the layer mean is one decision per slot for every head of the layer
         self.needs = replace(self.needs, aligned_heads=self.heads == "layer")
 
-    def observe(self, layer, probs, query_pos):
+    def observe(self, layer, probs, query_pos, steps=False):
         # probs: [B, H_kv, G, T, cap]; the call's last query is the newest token of every row
         layer.meta["last_attn"].copy_(reduce_group(probs[:, :, :, -1], "mean"))
 

@@ -17,8 +17,8 @@ method's math is written here.
 
 Scorers that observe attention rows get them recomputed here from the recorded queries: the
 newest row alone for TOVA (``Needs.observes_last_only``, batched), every row since the last
-compaction for H2O, LazyEviction and RaaS (``observe_since``: one call per query, the requests
-that replay alike together).
+compaction for H2O, LazyEviction and RaaS (``observe_since``: the prompt's in one call, the
+decode queries' in another, the requests that replay alike together).
 """
 
 from __future__ import annotations
@@ -92,9 +92,11 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
                   prompt_len: torch.Tensor) -> None:
     """Hand ``scorer.observe`` the attention rows of each request's queries at positions ``since``
     .. ``logical_len - 1`` (those after its last compaction), as kvsieve's engine does: a prompt's
-    (positions below ``prompt_len``) in one call, then one call per decode query, every row of
-    the batch at once.  The rows replay alike (``replay_shape``): a batch of one request when it
-    has prompt queries to replay, else rows with as many decode queries each.
+    (positions below ``prompt_len``) in one call, then the decode queries, every row of the batch
+    at once: all of them in one call (``steps=True``) where the scorer takes steps so
+    (``Needs.observes_steps``: H2O, LazyEviction, RaaS), else one call per query.  The rows replay
+    alike (``replay_shape``): a batch of one request when it has prompt queries to replay, else
+    rows with as many decode queries each.
 
     queries: [R, n, H_q, D] each request's last n recorded queries, oldest first, at positions
     ``logical_len - n`` .. ``logical_len - 1`` (logical_len, since, prompt_len: [R]); each call's
@@ -113,7 +115,14 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
         query = queries[0, start - int(first[0]):end - int(first[0])].permute(1, 0, 2)[None]  # [1, H_q, T, D]
         _observe_then(scorer, layer, pos, query, torch.arange(start, end)[None], torch.tensor([end]))
     decode_from = torch.maximum(since, prompt_len)  # [R]
-    for step in range(int((logical_len - decode_from)[0])):
+    steps = int((logical_len - decode_from)[0])
+    if steps and scorer.needs.observes_steps:  # every decode query in one call, causal by position
+        at = decode_from[:, None] + torch.arange(steps)  # [R, T]
+        query = queries[rows[:, None], at - first[:, None]].permute(0, 2, 1, 3)  # [R, H_q, T, D]
+        allowed = visible(pos, at, layer.sliding_window)  # [R, H_kv, T, S]
+        scorer.observe(layer, attention_probs(query, layer.keys, allowed, layer.scaling), at, steps=True)
+        return
+    for step in range(steps):
         at = decode_from + step  # [R] each request's query position in this call
         query = queries[rows, at - first][:, :, None]  # [R, H_q, 1, D]
         _observe_then(scorer, layer, pos, query, at[:, None], at + 1)
