@@ -44,6 +44,10 @@ METHODS = {
     "ams:expected": {},
     "lagkv": {"budget": 128, "options": {"off_grid": True}},
     "localkv": {"budget": None, "options": {"lag": 32}},
+    # CAOTE on TOVA's scores, FastCAOTE on H2O's: the prompt compressed once after prefill (vLLM's chunked
+    # prefill does not hand it over block by block, plan.unserved)
+    "caote:tova": {"options": {"prefill_block": False}},
+    "fastcaote:h2o": {"options": {"prefill_block": False}},
 }
 BLOCK = 32
 

@@ -45,8 +45,9 @@ def test_bad_settings_are_one_line_usage_errors(args, expected):
 
 
 def test_a_method_not_served_says_why():
-    assert "caote:tova with these settings is not served inside vLLM: it evicts the prompt block by block" in error_of(
-        "smollm2-135m", "--method", "caote:tova", "--budget", "64")
+    assert ("caote:tova with these settings is not served inside vLLM: it evicts the prompt block by block "
+            "(prefill_block), which vLLM's chunked prefill does not hand over; set prefill_block=false to compress "
+            "the prompt once after prefill") in error_of("smollm2-135m", "--method", "caote:tova", "--budget", "64")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

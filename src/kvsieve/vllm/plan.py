@@ -41,9 +41,12 @@ from ..checks import SettingError, check_at_least, check_value, did_you_mean
 #
 # Not served, and why (``unserved`` gives the same reason for any method and settings):
 #
-# * caote:<base> and fastcaote:<base>: they read the attention pass's own value mixes
-#   (``step_results``) and evict the prompt block by block (prefill_block), which vLLM's chunked
-#   prefill does not hand over;
+# * caote:<base> and fastcaote:<base> with their default block-wise prefill eviction
+#   (prefill_block, CAOTE Sec. 2): vLLM's chunked prefill does not hand the prompt over block by
+#   block.  With prefill_block=false they are served: the prompt is compressed once after prefill,
+#   and the output each error is measured from (h V, or the mean value) is computed at compaction
+#   from the gathered values, where kvsieve's engine takes it from the attention pass
+#   (``step_results["value_mix"]``, the same quantity);
 # * skipkv: a per-token host hook (sentence boundaries from the token text), kvsieve's loop only;
 # * knorm and lagkv-l2 with their default skip_layers=2: two whole layers cannot share a block
 #   table with compressed ones; served with skip_layers=0;
@@ -52,7 +55,7 @@ from ..checks import SettingError, check_at_least, check_value, did_you_mean
 # * the pyramid and adakv allocators (per-layer and per-head counts): not offered.
 SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
           "h2o", "lazy", "raas", "lagkv", "localkv", "lagkv-l2")
-SERVED_WRAPPERS = ("ams", "ams-released")
+SERVED_WRAPPERS = ("ams", "ams-released", "caote", "fastcaote")
 
 # Per-request settings: flat keys of a request's ``SamplingParams.extra_args`` (which the OpenAI
 # server fills from the request body's ``vllm_xargs``, whose values are flat), each the
@@ -135,7 +138,8 @@ def unserved(policy) -> str | None:
     if needs.per_token_hook:
         return "it needs a per-token host hook (kvsieve's own decode loop only)"
     if policy.prefill_block_size() is not None:
-        return "it evicts the prompt block by block (prefill_block), which vLLM's chunked prefill does not hand over"
+        return "it evicts the prompt block by block (prefill_block), which vLLM's chunked prefill does not hand " \
+               "over; set prefill_block=false to compress the prompt once after prefill"
     if policy.allocator.ragged_heads or policy.allocator.name != "uniform":
         return f"allocator {policy.allocator.name!r} gives layers or heads different counts"
     return None
