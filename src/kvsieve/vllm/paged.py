@@ -86,9 +86,11 @@ def gather_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor,
     block_size = keys.shape[2]
     idx = torch.arange(live.shape[-1]).expand_as(live).masked_fill(~live, 0)  # [R, S]: padding reads slot 0
     blk, off = table.gather(-1, torch.div(idx, block_size, rounding_mode="floor")), idx % block_size
-    dead = ~live[:, :, None, None]
-    return (keys[blk, :, off].masked_fill_(dead, 0).transpose(1, 2),  # [R, S, H, D] -> [R, H, S, D]
-            values[blk, :, off].masked_fill_(dead, 0).transpose(1, 2))
+    keys, values = keys[blk, :, off], values[blk, :, off]  # [R, S, H, D]
+    if not bool(live.all()):  # padding slots read as zero
+        dead = ~live[:, :, None, None]
+        keys, values = keys.masked_fill_(dead, 0), values.masked_fill_(dead, 0)
+    return keys.transpose(1, 2), values.transpose(1, 2)  # [R, H, S, D]
 
 
 def gather(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

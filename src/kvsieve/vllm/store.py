@@ -324,5 +324,7 @@ def pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
 
 
 def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t [R, H, S, D] at slots idx [R, H, K]: [R, H, K, D]."""
-    return t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
+    """t [R, H, S, D] at slots idx [R, H, K]: [R, H, K, D].  One index of whole D-vectors (a row copy
+    each), not ``gather`` over an index expanded to D, which reads element by element (3x slower here)."""
+    R, H = idx.shape[:2]
+    return t[torch.arange(R)[:, None, None], torch.arange(H)[None, :, None], idx]
