@@ -178,6 +178,17 @@ def test_heads_that_tensor_parallelism_does_not_divide(serve):
         "--tensor-parallel-size 2 does not divide the model's 9 attention heads, which vLLM needs; use one of 1, 3, 9")
 
 
+def test_a_method_that_reads_across_kv_heads_cannot_run_split_over_tensor_parallel_workers(serve):
+    """Each worker holds 1 of SmolLM2's 3 kv heads at -tp 3: TOVA's default layer mean over kv heads
+    would differ by worker; its per-group setting scores each kv head alone and passes."""
+    assert refused(serve, *TOVA, "-tp", "3") == (
+        "--tensor-parallel-size 3: tova cannot run split: its scores combine every kv head of a layer, which "
+        "tensor-parallel workers hold apart (TOVA: heads=group scores each kv head alone); serve it with "
+        "--tensor-parallel-size 1")
+    code, _, argv = serve(*TOVA, "--set", "heads=group", "-tp", "3")
+    assert code == 0 and argv[argv.index("-tp") + 1] == "3"  # vLLM gets the command line as given
+
+
 def test_a_pool_of_exactly_max_model_len_tokens_is_one_block_short(serve):
     pool = 1024 * TOKEN_BYTES
     assert refused(serve, *TOVA, "--block-size=32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(pool)) == (
@@ -231,7 +242,8 @@ def test_too_little_memory_for_one_request_says_what_length_fits(serve, monkeypa
 
 
 def test_a_valid_configuration_passes_every_check(serve):
-    code, lines, argv = serve(*TOVA, "--block-size", "32", "--max-model-len", "1024", "--port", "0", "-tp", "3",
+    code, lines, argv = serve(*TOVA, "--set", "heads=group", "--block-size", "32", "--max-model-len", "1024", "--port", "0",
+                              "-tp", "3",
                               "--kv-cache-memory-bytes", str(33 * 32 * TOKEN_BYTES))
     assert code == 0 and lines == [] and argv[-2:] == ["--kv-cache-memory-bytes", str(33 * 32 * TOKEN_BYTES)]
     gate = argv.index("--middleware")  # the HTTP gate of a request's own settings (test_vllm_request_gate.py)

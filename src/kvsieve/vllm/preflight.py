@@ -243,12 +243,22 @@ def check_attention(shape: ModelShape) -> None:
                          "full attention, or run this one in kvsieve's own engine (kvsieve generate)")
 
 
-def check_tensor_parallel(options: ServeOptions, shape: ModelShape) -> None:
+def check_tensor_parallel(options: ServeOptions, shape: ModelShape, config: dict | None = None) -> None:
+    """The heads must divide by the tensor-parallel size (vLLM's check), and the method must keep
+    what one worker keeps when each worker holds a slice of the kv heads (``plan.unsplit``)."""
     tp = options.tensor_parallel_size
     if shape.heads and tp >= 1 and shape.heads % tp:
         sizes = ", ".join(str(n) for n in range(1, shape.heads + 1) if shape.heads % n == 0)
         raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {shape.heads} attention heads, "
                          f"which vLLM needs; use one of {sizes}")
+    if tp > 1 and config:
+        from .plan import SieveSettings, unsplit
+
+        settings = SieveSettings.from_config(config)
+        why = unsplit(settings.policy)
+        if why:
+            raise ValueError(f"--tensor-parallel-size {tp}: {settings.method} cannot run split: {why}; serve it "
+                             "with --tensor-parallel-size 1")
 
 
 def _blocks_for(tokens: int, options: ServeOptions) -> int:
@@ -388,7 +398,7 @@ def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str],
         check_port(options)
         return [], []
     check_attention(shape)
-    check_tensor_parallel(options, shape)
+    check_tensor_parallel(options, shape, config)
     check_pool(options, shape)
     check_stats(config.get("options") or {}, SimpleNamespace(**{**shape.config, "_name_or_path": shape.path}))
     check_port(options)

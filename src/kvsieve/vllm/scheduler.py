@@ -43,7 +43,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from . import check_vllm
 from .paged import blocks_for
-from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of
+from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of, unsplit
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
 
@@ -59,6 +59,10 @@ def refuse_unsupported(vllm_config, kv_cache_config) -> None:
         why.append("a KV connector (kv_transfer_config)")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         why.append("pipeline parallelism")
+    tp, settings = vllm_config.parallel_config.tensor_parallel_size, settings_of(vllm_config)
+    split = unsplit(settings.policy) if tp > 1 else None
+    if split:
+        why.append(f"--tensor-parallel-size {tp} and method {settings.method}: {split}")
     if vllm_config.scheduler_config.async_scheduling:
         why.append("async scheduling (--no-async-scheduling)")
     if len(kv_cache_config.kv_cache_groups) != 1:
