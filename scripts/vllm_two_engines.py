@@ -91,15 +91,16 @@ def first_compaction(settings, prompt_len: int, new_tokens: int) -> int | None:
     return None
 
 
-def vllm_tokens(model_dir: str, prompts, new_tokens: int, config: dict | None, max_model_len: int):
-    """Greedy tokens of vLLM (kvsieve's classes when ``config`` is given) and the compactions run."""
+def vllm_tokens(model_dir: str, prompts, new_tokens: int, config: dict | None, max_model_len: int, **engine):
+    """Greedy tokens of vLLM (kvsieve's classes when ``config`` is given) and the compactions run;
+    ``engine``: more of ``vllm.LLM``'s options (``tensor_parallel_size``)."""
     from vllm import LLM, SamplingParams
 
     from kvsieve.vllm import engine_kwargs
 
     extra = engine_kwargs(**config) if config else {"enable_prefix_caching": False}
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=max_model_len,
-              max_num_seqs=len(prompts), kv_cache_memory_bytes=256 << 20, seed=0, **extra)
+              max_num_seqs=len(prompts), kv_cache_memory_bytes=256 << 20, seed=0, **extra, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     core = llm.llm_engine.engine_core.engine_core
