@@ -60,11 +60,18 @@ def main() -> int:
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--out", default="results/vllm-tp.json")
+    ap.add_argument("--triattention-stats", default=None, metavar="FILE",
+                    help="TriAttention's statistics of the model (kvsieve calibrate triattention --model "
+                         f"{MODEL}): with it, --methods may name triattention (its official defaults)")
     args = ap.parse_args()
     methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in SETTINGS]
+    settings = dict(SETTINGS)
+    if args.triattention_stats:
+        settings["triattention"] = {"options": {"stats": args.triattention_stats}}
+    unknown = [m for m in methods if m not in settings]
     if unknown:
-        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(SETTINGS)}")
+        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(settings)} (triattention needs "
+                 "--triattention-stats)")
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the scheduler's counters
     from transformers import AutoConfig, AutoTokenizer
@@ -85,7 +92,7 @@ def main() -> int:
     agree = [i for i, same in enumerate(result["baseline_plain"]["identical"]) if same]
     print(json.dumps({"baseline_plain_identical_share": result["baseline_plain"]["identical_share"]}), flush=True)
     for name in methods:
-        own = dict(SETTINGS[name])
+        own = dict(settings[name])
         cfg = {"method": own.pop("method", name), "budget": args.budget, "interval": args.interval,
                "horizon": max(map(len, prompts)) + args.new_tokens, **own}
         why = unsplit(SieveSettings.from_config(cfg).for_model(hf_config).policy)

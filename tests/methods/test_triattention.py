@@ -395,3 +395,27 @@ def test_calibrate_and_analyze_commands_write_their_files_and_refuse_bad_data(sm
         result = runner.invoke(app, ["calibrate", "triattention", "--out", str(tmp_path / "x.pt"), *args],
                                env={"COLUMNS": "250"})
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("pruning", ["per_head", "per_layer_per_head"])
+def test_a_tensor_parallel_workers_slice_scores_its_heads_as_the_whole_model_does(tmp_path, pruning):
+    """vLLM splits query and kv heads over tensor-parallel workers in contiguous slices; a worker
+    holds kv head p and its query group.  Its scorer (``for_heads``) scores that head's keys as the
+    scorer of every head scores them there."""
+    import dataclasses
+
+    stats = random_stats(seed=7)
+    T = 10
+    pre = torch.randn(B, HKV, T, D, generator=torch.Generator().manual_seed(8))
+    seen = torch.tensor([T, T])
+    layer = cache_of(pre, torch.arange(T).expand(B, T), stats).layers[0].view()
+    whole = make_policy("triattention", 6, stats=saved(stats, tmp_path), pruning=pruning).scorer
+    scores = whole.score(layer, seen)  # [B, HKV, cap]
+    for part in range(HKV):
+        heads = slice(part, part + 1)
+        mine = dataclasses.replace(layer, keys=layer.keys[:, heads], values=layer.values[:, heads],
+                                   lengths=layer.lengths[:, heads],
+                                   meta={name: t[:, heads] for name, t in layer.meta.items()})
+        torch.testing.assert_close(whole.for_heads(part, HKV).score(mine, seen), scores[:, heads], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not split into 3 equal parts"):
+        whole.for_heads(0, 3)

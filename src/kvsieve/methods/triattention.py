@@ -158,6 +158,19 @@ class QueryStats:
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
 
+    def heads_part(self, part: int, parts: int) -> "QueryStats":
+        """The statistics of the ``part``-th of ``parts`` equal slices of the heads, in order: the
+        query and kv heads one tensor-parallel worker holds (vLLM splits both in contiguous
+        slices, a kv head's query group with it)."""
+        L, H = self.q_mean.shape[:2]
+        if parts < 1 or not 0 <= part < parts or self.num_kv_heads % parts:
+            raise ValueError(f"TriAttention statistics of {self.num_kv_heads} kv heads do not split into {parts} "
+                             "equal parts (one per tensor-parallel worker); serve with a tensor-parallel size that "
+                             "divides the kv heads")
+        heads = slice(part * H // parts, (part + 1) * H // parts)
+        return replace(self, q_mean=self.q_mean[:, heads], q_abs_mean=self.q_abs_mean[:, heads],
+                                   num_kv_heads=self.num_kv_heads // parts)
+
     def check(self, model, source: str | Path = "") -> "QueryStats":
         """Refuse statistics calibrated on another model (by name and shape); returns ``self``."""
         other = other_model(self.model_name, self.fingerprint, model)
@@ -273,6 +286,13 @@ class TriAttention(Scorer):
         self._stats = QueryStats.read(self.stats)
         self.needs = replace(self.needs, aligned_heads=self.pruning == "per_layer",
                              cross_layer=self.pruning == "per_head")
+
+    def for_heads(self, part: int, parts: int) -> "TriAttention":
+        """This scorer for the ``part``-th of ``parts`` slices of the heads (a tensor-parallel
+        worker's, ``QueryStats.heads_part``): the same settings, the statistics of those heads."""
+        scorer = replace(self)  # __post_init__ reads the file again; its statistics are then cut
+        scorer._stats = self._stats.heads_part(part, parts)
+        return scorer
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):

@@ -125,16 +125,14 @@ def unsplit(policy) -> str | None:
     phrase, or None.  Each worker compacts only the kv heads it holds, with the count the scheduler
     planned, so a method whose scores are each kv head's own keeps what one worker keeps; one that
     combines a layer's kv heads slot by slot (``Needs.aligned_heads``: TOVA's ``heads="layer"``,
-    TriAttention's ``per_layer``) would keep other tokens on each worker, and TriAttention's
-    statistics hold every head of the model, where a worker holds a slice of them."""
+    TriAttention's ``per_layer``) would keep other tokens on each worker.  (TriAttention's other
+    modes read statistics of every head: each worker cuts them to its own, ``TriAttention.for_heads``.)"""
     scorer = policy.scorer
     if scorer is None:
         return None
     if scorer.needs.aligned_heads:
         return "its scores combine every kv head of a layer, which tensor-parallel workers hold apart " \
                "(TOVA: heads=group scores each kv head alone)"
-    if scorer.name.split(":")[-1] == "triattention":
-        return "its statistics hold every head of the model, and each tensor-parallel worker holds a slice"
     return None
 
 

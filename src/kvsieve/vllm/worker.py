@@ -29,11 +29,13 @@ import time
 import numpy as np
 import psutil
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from ..methods.triattention import TriAttention
 from ..policy import Policy
 from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
@@ -62,7 +64,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         super().__init__(vllm_config, device)
         self.sieve: SieveSettings = settings_of(vllm_config).for_model(vllm_config.model_config.hf_config)
         check_stats(self.sieve.options, vllm_config.model_config.hf_config)  # refused now, not at a compaction
-        self.sieve_policy = self.sieve.policy  # kvsieve's Policy: its scorer chooses the kept tokens
+        self.sieve_policy = self.for_heads(self.sieve.policy)  # kvsieve's Policy: its scorer chooses the kept tokens
         self.sieve_layout = CpuLayout()
         self.sieve_requests: dict[str, RequestState] = {}
         self.sieve_request_policies: dict[str, Policy] = {}  # req_id -> its own Policy (kvsieve_* keys)
@@ -122,13 +124,23 @@ class SieveCPUModelRunner(CPUModelRunner):
             if self.sieve_recorder is not None:
                 self.sieve_recorder.forget(req_id)
 
+    @staticmethod
+    def for_heads(policy: Policy) -> Policy:
+        """``policy`` as this tensor-parallel worker scores with it: a scorer whose settings hold
+        every head of the model (TriAttention's statistics) cut to the heads this worker holds;
+        any other scorer reads only the heads it is given (``plan.unsplit`` refuses the rest)."""
+        parts = get_tensor_model_parallel_world_size()
+        if parts == 1 or not isinstance(policy.scorer, TriAttention):
+            return policy
+        return dataclasses.replace(policy, scorer=policy.scorer.for_heads(get_tensor_model_parallel_rank(), parts))
+
     def _sieve_policy_of(self, c: Compaction) -> Policy:
         """The policy request ``c.req_id`` is compressed with: the server's, or the one its own
         settings name (``c.overrides``; built once per request, as the scheduler built its settings)."""
         if not c.overrides:
             return self.sieve_policy
         if c.req_id not in self.sieve_request_policies:
-            self.sieve_request_policies[c.req_id] = self.sieve.for_request(c.overrides).policy
+            self.sieve_request_policies[c.req_id] = self.for_heads(self.sieve.for_request(c.overrides).policy)
         return self.sieve_request_policies[c.req_id]
 
     def _sieve_compact(self, compactions: list[Compaction]) -> None:
