@@ -9,8 +9,9 @@ per row.  The baseline is plain vLLM's TP=2 against its TP=1: the all-reduce of 
 heads' partial outputs in another order, so rows can part with no eviction at all, and a method's
 rows are read against it (``identical_where_plain_agrees``).
 
-Each TP=2 worker is bound to its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, set here for the
-TP=2 runs; without it vLLM's CPU worker asserts that one NUMA node cannot hold two workers).
+Each TP=2 worker is bound to its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on this machine,
+set here for the TP=2 runs from the cores this process may use; without it vLLM's CPU worker
+asserts that one NUMA node cannot hold two workers).
 Run from the vLLM environment, nothing else running (two worker processes take both cores):
 
     PYTHONPATH=src .vllm-env/bin/python scripts/vllm_tp.py --prompts 10 --new-tokens 32 \\
@@ -37,10 +38,14 @@ SETTINGS = {**METHODS, "tova-group": {"method": "tova", "options": {"heads": "gr
 
 
 def tokens_at(tp: int, model_dir: str, prompts, new_tokens: int, config: dict | None, max_model_len: int):
-    """``vllm_tokens`` at tensor-parallel size ``tp``, each worker on its own core when tp > 1."""
+    """``vllm_tokens`` at tensor-parallel size ``tp``, each worker on its own core when tp > 1 (the
+    first ``tp`` cores this process may run on)."""
     before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tp:
+            raise SystemExit(f"vllm_tp: {tp} tensor-parallel workers need {tp} cores; this process may use {len(cores)}")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in cores[:tp])
     try:
         return vllm_tokens(model_dir, prompts, new_tokens, config, max_model_len, tensor_parallel_size=tp)
     finally:
