@@ -15,14 +15,11 @@ Each engine starts in about 30 s on a quiet machine (2 cores), hence few default
 """
 
 import gc
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from vllm_support import ROOT, load_script, model_dir, require_vllm
+from vllm_support import load_script, model_dir, require_vllm, run_script
 
 require_vllm()
 
@@ -100,13 +97,8 @@ def test_two_engines_agree_beyond_the_first_compaction(tmp_path):
     """``scripts/vllm_two_engines.py`` on 3 GSM8K prompts: on every row where the two engines' full
     caches agree, the deterministic methods (StreamingLLM's positions, Knorm's key norms) and TOVA
     give kvsieve's tokens past the first compaction, and StreamingLLM's to the end."""
-    out = tmp_path / "two.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_two_engines.py"), "--methods",
-                          "streaming,knorm,tova", "--prompts", "3", "--new-tokens", "48", "--out", str(out)],
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
-                         timeout=1500)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_script("vllm_two_engines", tmp_path, "--methods", "streaming,knorm,tova", "--prompts", "3",
+                        "--new-tokens", "48")
     agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
     assert agree, "no row where plain vLLM and kvsieve's full agree: nothing to compare against"
     for method, row in result["methods"].items():

