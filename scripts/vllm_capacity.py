@@ -32,12 +32,14 @@ TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
 
 
 def make_engine(method: str, budget: int | None, *, kv_blocks: int, block_size: int, interval: int | None,
-                settings: dict | None = None):
+                settings: dict | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None):
     """An in-process ``vllm.LLM`` on the bundled SmolLM2-135M (fp32, eager) whose KV space is
     ``kv_blocks`` usable blocks of ``block_size`` tokens: plain vLLM (prefix caching off) when
     ``method`` is "plain", else kvsieve's classes serving ``method`` at ``budget`` with
     ``interval`` (None: the serving default, a compaction when a request's next token needs a
-    block) and the method's other ``settings`` (``engine_kwargs`` keywords)."""
+    block) and the method's other ``settings`` (``engine_kwargs`` keywords).  ``max_model_len``
+    (default: the pool, up to 8,192) and ``max_num_seqs`` (default: vLLM's) bound what H2O's,
+    LazyEviction's and RaaS's query rings reserve per request slot."""
     from vllm import LLM
 
     from kvsieve.models import ensure_bundled
@@ -48,9 +50,10 @@ def make_engine(method: str, budget: int | None, *, kv_blocks: int, block_size: 
         extra = engine_kwargs(method, budget, interval=interval, **(settings or {}))
     # one block more than asked: vLLM keeps block 0 as its null block.  vLLM refuses a pool smaller
     # than one max_model_len request, so max_model_len is the pool, up to the model's 8,192 positions.
+    sizes = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     return LLM(model=str(ensure_bundled("smollm2-135m")), dtype="float32", enforce_eager=True,
-               max_model_len=min(kv_blocks * block_size, 8192), block_size=block_size,
-               kv_cache_memory_bytes=(kv_blocks + 1) * TOKEN_BYTES * block_size, seed=0, **extra)
+               max_model_len=max_model_len or min(kv_blocks * block_size, 8192), block_size=block_size,
+               kv_cache_memory_bytes=(kv_blocks + 1) * TOKEN_BYTES * block_size, seed=0, **sizes, **extra)
 
 
 def engine_parts(llm):
@@ -123,7 +126,8 @@ def run(args, method: str, settings: dict | None = None) -> dict:
     """One engine for ``method`` with ``args``' sizes: started, measured, shut down."""
     budget = args.budget if method != "plain" else None
     llm = make_engine(method, budget, kv_blocks=args.kv_blocks, block_size=args.block_size,
-                      interval=args.interval, settings=settings)
+                      interval=args.interval, settings=settings, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs)
     try:
         result = measure(llm, args.requests, args.new_tokens)
     finally:
@@ -141,6 +145,8 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=None,
                     help="decode steps between compactions (default: when a request's next token needs a block)")
     ap.add_argument("--methods", default="plain,streaming")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the pool, up to 8,192 tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
     args = ap.parse_args()
     for method in args.methods.split(","):
         print(json.dumps(run(args, method)), flush=True)
