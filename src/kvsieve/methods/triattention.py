@@ -83,6 +83,7 @@ Pruning modes (``pruning``):
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -162,14 +163,14 @@ class QueryStats:
         """The statistics of the ``part``-th of ``parts`` equal slices of the heads, in order: the
         query and kv heads one tensor-parallel worker holds (vLLM splits both in contiguous
         slices, a kv head's query group with it)."""
-        L, H = self.q_mean.shape[:2]
+        H = self.q_mean.shape[1]
         if parts < 1 or not 0 <= part < parts or self.num_kv_heads % parts:
             raise ValueError(f"TriAttention statistics of {self.num_kv_heads} kv heads do not split into {parts} "
                              "equal parts (one per tensor-parallel worker); serve with a tensor-parallel size that "
                              "divides the kv heads")
         heads = slice(part * H // parts, (part + 1) * H // parts)
         return replace(self, q_mean=self.q_mean[:, heads], q_abs_mean=self.q_abs_mean[:, heads],
-                                   num_kv_heads=self.num_kv_heads // parts)
+                       num_kv_heads=self.num_kv_heads // parts)
 
     def check(self, model, source: str | Path = "") -> "QueryStats":
         """Refuse statistics calibrated on another model (by name and shape); returns ``self``."""
@@ -290,7 +291,7 @@ class TriAttention(Scorer):
     def for_heads(self, part: int, parts: int) -> "TriAttention":
         """This scorer for the ``part``-th of ``parts`` slices of the heads (a tensor-parallel
         worker's, ``QueryStats.heads_part``): the same settings, the statistics of those heads."""
-        scorer = replace(self)  # __post_init__ reads the file again; its statistics are then cut
+        scorer = copy.copy(self)  # not replace(): its __post_init__ would read the file again
         scorer._stats = self._stats.heads_part(part, parts)
         return scorer
 

@@ -48,8 +48,8 @@ from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_sett
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
 
 
-def refuse_unsupported(vllm_config, kv_cache_config) -> None:
-    """One clear line for every vLLM feature kvsieve's classes cannot serve."""
+def refuse_unsupported(vllm_config, kv_cache_config, settings: SieveSettings) -> None:
+    """One clear line for every vLLM feature kvsieve's classes cannot serve with ``settings``."""
     why = []
     if vllm_config.cache_config.enable_prefix_caching:
         why.append("prefix caching is on (a compacted block must never be shared: --no-enable-prefix-caching)")
@@ -59,7 +59,7 @@ def refuse_unsupported(vllm_config, kv_cache_config) -> None:
         why.append("a KV connector (kv_transfer_config)")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         why.append("pipeline parallelism")
-    tp, settings = vllm_config.parallel_config.tensor_parallel_size, settings_of(vllm_config)
+    tp = vllm_config.parallel_config.tensor_parallel_size
     split = unsplit(settings.policy) if tp > 1 else None
     if split:
         why.append(f"--tensor-parallel-size {tp} and method {settings.method}: {split}")
@@ -168,7 +168,7 @@ class SieveScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
         check_vllm()
         self.sieve = settings_of(vllm_config)
-        refuse_unsupported(vllm_config, kv_cache_config)
+        refuse_unsupported(vllm_config, kv_cache_config, self.sieve)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.sieve_offsets: dict[str, int] = {}
         self.sieve_preemptions: dict[str, int] = {}  # preemptions already answered by a compression
