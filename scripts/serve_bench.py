@@ -504,6 +504,9 @@ def run_one(config: dict, args, prompts: list[str], model_dir: str, bytes_per_to
         # plain vLLM's start-up check: no pool smaller than one max_model_len request (and the null block)
         run["refused_as_expected"] = config["method"] == "plain" and \
             config["pool_tokens"] < config["max_model_len"] + config["block_size"]
+        said = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("ValueError: ")]
+        if said:  # vLLM's own reason, as it said it
+            run["error"] += " " + said[-1]
         print(f"serve_bench: {label(run)} at {config['pool_tokens']} tokens: {err}", file=sys.stderr, flush=True)
         return run
     try:

@@ -33,8 +33,6 @@ def error_of(*args) -> str:
     (["--method", "streaming", "--budget", "64", "--set", "sinks=four"], "sinks= must be an integer, got 'four'"),
     (["--method", "skipkv", "--budget", "64"], "skipkv with these settings is not served inside vLLM: it needs a per-token"),
     (["--method", "streaming", "--budget", "64", "--set", "sinks"], "--set expects key=value, got 'sinks'"),
-    (["--method", "streaming", "--budget", "64", "--enable-prefix-caching"],
-     "kvsieve serve sets --enable-prefix-caching itself; drop it"),
     (["--method", "streaming", "--budget", "64", "--additional-config={}"],
      "kvsieve serve sets --additional-config itself; drop it"),
     (["--method", "streaming", "--budget", "64", "--model", "other"],
@@ -210,6 +208,22 @@ def test_a_pool_of_blocks_below_the_models_length(serve):
         f"--num-gpu-blocks-override 20 is a pool of 2560 tokens (20 blocks of 128, {TOKEN_BYTES} bytes a token), and "
         "vLLM needs one request of the model's length, --max-model-len 8192 (64 blocks) plus the null block it keeps "
         "back: pass --num-gpu-blocks-override 65 or more, or --max-model-len 2432 or less")
+
+
+def test_prefix_caching_is_refused_where_compactions_rewrite_the_prompt(serve):
+    assert refused(serve, *TOVA, "--enable-prefix-caching") == (
+        "--enable-prefix-caching: tova lets the prompt compete with the output, so compactions rewrite the prompt's "
+        "blocks that prefix caching shares: set protect_prompt=true (the prompt kept outside the budget), or turn "
+        "prefix caching off (--no-enable-prefix-caching)")
+    assert refused(serve, "--method", "h2o", "--budget", "64", "--set", "protect_prompt=true",
+                   "--enable-prefix-caching").startswith("--enable-prefix-caching: h2o replays the attention of every")
+
+
+def test_prefix_caching_stays_on_for_a_kept_prompt(serve):
+    code, _, argv = serve(*TOVA, "--set", "protect_prompt=true", "--enable-prefix-caching", "--port", "0")
+    assert code == 0 and argv.count("--enable-prefix-caching") == 1 and "--no-enable-prefix-caching" not in argv
+    code, _, argv = serve(*TOVA, "--port", "0")  # off unless asked: vLLM's default, on, is not kvsieve's
+    assert code == 0 and "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
 
 
 def test_with_a_method_the_pool_holds_what_one_request_holds_at_most(serve):

@@ -352,3 +352,30 @@ def test_requests_of_one_count_are_scored_in_one_call_per_layer(monkeypatch):
         settings = SieveSettings.from_config({"method": method, "budget": BUDGET})
         _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, together=True)
         assert calls == expected, method
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "streaming", "protect_prompt": True, "budget": 8},
+    {"method": "tova", "protect_prompt": True, "budget": 8},
+    {"method": "keydiff", "pin_prompt": True, "budget": 34},
+])
+def test_a_compaction_never_moves_the_prompt_prefix_prefix_caching_shares(config):
+    """The blocks of ``prefix.shared_tokens`` (the prompt kept outside the budget, or pinned inside
+    it) hold the same bytes after a compaction, which moves the tokens after them: what lets vLLM
+    share them between requests (issue 59 item 2)."""
+    from kvsieve.vllm.prefix import shared_tokens
+
+    settings = SieveSettings.from_config(config)
+    policy = settings.policy
+    keys, values, queries = _request(1)
+    caches = _paged(keys, values)
+    before = [cache.clone() for cache in caches]
+    shared = shared_tokens(policy, PROMPT, BLOCK)
+    keep = PROMPT + policy.budget if policy.protect_prompt else policy.budget
+    assert shared == (PROMPT if policy.protect_prompt else min(PROMPT, policy.budget)) // BLOCK * BLOCK > 0
+    c = Compaction("r", tuple(BLOCKS), kv_len=S, keep=keep, kept_blocks=len(BLOCKS), logical_len=S, prompt_len=PROMPT)
+    compress_request(policy, CpuLayout(), caches, [SCALING] * L, RequestState(), c, lambda layer: queries[layer])
+    for cache, old in zip(caches, before):
+        assert all(torch.equal(cache[b], old[b]) for b in BLOCKS[:shared // BLOCK])
+    assert any(not torch.equal(cache[b], old[b]) for cache, old in zip(caches, before)
+               for b in BLOCKS[shared // BLOCK:])  # the compaction did move tokens after the prefix

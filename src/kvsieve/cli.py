@@ -462,13 +462,14 @@ def serve(
         raise typer.BadParameter(str(err), param_hint="MODEL") from None
     vllm_args, processors = vllm_serve.take_logits_processors(ctx.args)
     try:
+        vllm_args, prefix_caching = vllm_serve.take_prefix_caching(config, vllm_args)
         picked, notes = preflight(vllm_args, config, path)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     for line in notes:
         typer.echo(line, err=True)
-    engine = engine_kwargs(**config)
+    engine = engine_kwargs(**config, prefix_caching=prefix_caching)
     engine["logits_processors"] += processors  # after kvsieve's request check, which a second flag would drop
     gate = ["--middleware", REQUEST_GATE, "--middleware", METRICS]  # vLLM's --middleware appends: a user's stay
     vllm_serve.exec_vllm(vllm_serve.vllm_argv(path, engine, gate + vllm_args + picked))

@@ -74,10 +74,12 @@ def check_platform(device_type: str | None = None) -> None:
                               "engine (kvsieve generate, eval, Python's kvsieve.generate)")
 
 
-def engine_kwargs(method: str = "full", budget: int | None = None, **settings: Any) -> dict[str, Any]:
+def engine_kwargs(method: str = "full", budget: int | None = None, prefix_caching: bool = False,
+                  **settings: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``/``EngineArgs`` that serve ``method`` at ``budget``:
     kvsieve's scheduler and worker classes, the settings in ``additional_config``, prefix
-    caching off (a compacted block must never be shared), and the logits processor that checks a
+    caching off unless ``prefix_caching`` (for a method that keeps the prompt whole or pinned,
+    whose shared prefix no compaction moves: ``prefix``; the scheduler refuses the others), and the logits processor that checks a
     request's own settings before it is queued (``REQUEST_CHECK``; to add processors of your own,
     extend this list rather than pass ``logits_processors`` again).  ``UnsupportedVLLM`` off the
     CPU platform (``check_platform``)."""
@@ -87,7 +89,7 @@ def engine_kwargs(method: str = "full", budget: int | None = None, **settings: A
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": prefix_caching,
         "additional_config": {CONFIG_KEY: config},
         "logits_processors": [REQUEST_CHECK],
     }

