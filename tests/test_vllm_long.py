@@ -23,10 +23,12 @@ PROMPTS = ["The history of the printing press begins", "In mathematics, a prime 
 BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK  # fp32 SmolLM2: 30 layers x 3 kv heads x 64 dims x (k, v)
 
 
-def _engine(kv_blocks: int, max_model_len: int, method: str, **settings):
+def _engine(kv_blocks: int, max_model_len: int, method: str, chunk: int | None = None, **settings):
     from vllm import LLM
 
     extra = engine_kwargs(method, BUDGET if method != "full" else None, **settings)
+    if chunk:
+        extra["max_num_batched_tokens"] = chunk  # vLLM's prefill chunk
     return LLM(model=model_dir(), dtype="float32", enforce_eager=True, max_model_len=max_model_len, block_size=BLOCK,
                kv_cache_memory_bytes=(kv_blocks + 1) * BLOCK_BYTES, seed=0, max_num_seqs=4, **extra)
 
@@ -84,6 +86,45 @@ def test_a_prompt_the_pool_cannot_hold_is_refused_alone():
     _close(llm)
     assert run["reasons"] == ["error", "length"] and len(run["tokens"][1]) == 40
     assert refused == 1 and run["all_free"]
+
+
+LONG_PROMPT = " ".join(f"Item {i} costs {i * 7 % 13 + 1} dollars." for i in range(110))  # about 1,100 tokens
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova"])
+def test_a_prompt_longer_than_the_pool_is_compressed_between_prefill_chunks(method):
+    """A 1,100-token prompt, a pool of 16 blocks (512 tokens), prefill chunks of 256: before each
+    chunk the prompt read so far is compressed to the budget, so the request holds at most the
+    budget and one chunk (64 + 256 tokens: 10 blocks), and it finishes whole."""
+    from vllm import SamplingParams
+
+    llm = _engine(16, 2048, method, chunk=256)
+    scheduler = scheduler_of(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    peak = {"blocks": 0}
+
+    def count(_step):
+        peak["blocks"] = max(peak["blocks"], pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    run = run_to_end(llm, [(LONG_PROMPT, params), (PROMPTS[0], params)], max_steps=2000, after_step=count)
+    stats = dict(scheduler.sieve_stats)
+    _close(llm)
+    assert run["reasons"] == ["length", "length"] and [len(t) for t in run["tokens"]] == [80, 80]
+    assert stats["compactions"] >= 4 and stats["refused"] == 0  # 3 chunk boundaries, then decode
+    assert peak["blocks"] <= 10 + 3  # the long request's 10, the short one's 3 (64 + a block's growth)
+    assert run["all_free"]
+
+
+def test_a_kept_prompt_longer_than_the_pool_is_refused():
+    """A method that keeps the prompt cannot compress it between chunks: refused alone, in one line."""
+    from vllm import SamplingParams
+
+    llm = _engine(16, 2048, "streaming", chunk=256, protect_prompt=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    run = run_to_end(llm, [(LONG_PROMPT, params), (PROMPTS[0], params)], max_steps=500)
+    _close(llm)
+    assert run["reasons"] == ["error", "length"] and run["all_free"]
 
 
 def test_plain_vllm_refuses_the_same_pool():

@@ -27,13 +27,15 @@ def count_of(settings, prompt_len: int, seen: int) -> int:
     return policy.scorer.needs.count_rule(seen)
 
 
-def held_tokens(settings, block_size: int, prompt_len: int, max_len: int) -> int:
+def held_tokens(settings, block_size: int, prompt_len: int, max_len: int, first: int | None = None) -> int:
     """The most tokens' worth of blocks (a multiple of ``block_size``) a request with a prompt of
     ``prompt_len`` tokens holds, over a life of at most ``max_len`` tokens, unless preempted, under
     ``settings`` (``plan.SieveSettings``) with the scheduler's ``block_size``:
 
-    * its prompt, and the first sampled token's slot unless the prompt is compressed at once
-      (``compress_prefill``: the token then lands in the kept blocks);
+    * the ``first`` tokens it holds before its first decode step (its prompt unless given: a
+      prompt compressed between prefill chunks holds its count and one chunk), and the first
+      sampled token's slot unless they are compressed at once (``compress_prefill``: the token
+      then lands in the kept blocks);
     * the serving default (no interval set, ``plan.block_due``): a request of ``kv_len`` tokens is
       compacted to its count when ``kv_len`` is a multiple of the block and at least the method's
       interval over the count, so it never fills a block beyond ``count + interval``;
@@ -50,9 +52,10 @@ def held_tokens(settings, block_size: int, prompt_len: int, max_len: int) -> int
         return blocks_for(max_len, block_size) * block_size
     policy = settings.policy
     count = count_of(settings, prompt_len, max_len)
+    first = prompt_len if first is None else first
     at_once = policy.compress_prefill
     if settings.interval is None:
-        grown = max(prompt_len + (0 if at_once else 1), count + policy.interval)
+        grown = max(first + (0 if at_once else 1), count + policy.interval)
     else:
-        grown = max(prompt_len, count + policy.interval) if at_once else max(prompt_len, count) + policy.interval
+        grown = max(first, count + policy.interval) if at_once else max(first, count) + policy.interval
     return blocks_for(min(grown, max_len), block_size) * block_size

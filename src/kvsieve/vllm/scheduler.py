@@ -43,7 +43,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from . import check_vllm
-from .bounds import held_tokens
+from .bounds import count_of, held_tokens
 from .paged import blocks_for
 from .prefix import shared_tokens, uncacheable
 from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of, unsplit
@@ -176,6 +176,9 @@ class SieveKVCacheManager(KVCacheManager):
             need = self.most_blocks(request)
             if need + self._growth() > self.block_pool.get_num_free_blocks():
                 return None
+            # this admission replaces vLLM's check that the whole prompt fits (a prompt compressed
+            # between prefill chunks may be longer than the pool)
+            kwargs["full_sequence_must_fit"] = False
         offset = self.offsets.get(request.request_id, 0)
         caching = self.shared is not None and not offset and not kwargs.get("delay_cache_blocks")
         if offset or self.shared is not None:
@@ -240,6 +243,10 @@ class SieveScheduler(Scheduler):
                                                           self._most_blocks if longer else None,
                                                           self._shared if self.sieve.compresses else None)
         self.sieve_step = 0
+        # vLLM's prefill chunk: a prompt longer than the pool is compressed before each one (_chunks)
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        self.sieve_chunk = min(self.scheduler_config.max_num_batched_tokens, threshold or self.max_model_len)
+        self.sieve_chunked: set[str] = set()  # requests whose prompt is compressed between prefill chunks
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
         # req_id -> (its kvsieve_* overrides, its settings): requests with their own, dropped with the request
         self.sieve_requests: dict[str, tuple[dict[str, int], SieveSettings]] = {}
@@ -259,11 +266,17 @@ class SieveScheduler(Scheduler):
             return self._refuse(request, str(err))
         if overrides:
             self.sieve_requests[request.request_id] = (overrides, settings)
+        if self.sieve.compresses and self._chunks(request, settings):
+            self.sieve_chunked.add(request.request_id)
         if self.sieve.compresses and self._most_blocks(request) > self.sieve_pool_blocks:
             most = self._most_blocks(request) * self.block_size
+            chunked = request.request_id in self.sieve_chunked
+            self.sieve_chunked.discard(request.request_id)
+            how = f"compressed between prefill chunks of {self.sieve_chunk}" if chunked else "then"
+            fix = "lower --max-num-batched-tokens (vLLM's prefill chunk)" if chunked else "shorten the prompt"
             return self._refuse(request, f"it may hold {most} tokens of KV (a prompt of {request.num_prompt_tokens} "
-                                f"tokens, then {settings.method}'s count and schedule), more than the KV pool's "
-                                f"{self.sieve_pool_blocks * self.block_size}; shorten the prompt, lower its budget, "
+                                f"tokens, {how} {settings.method}'s count and schedule), more than the KV pool's "
+                                f"{self.sieve_pool_blocks * self.block_size}; {fix}, lower its budget, "
                                 "or give the server more KV memory (--kv-cache-memory-bytes)")
         super().add_request(request)
 
@@ -283,13 +296,26 @@ class SieveScheduler(Scheduler):
         self.sieve_ended.append(request)
         self.sieve_stats[what] += 1
 
+    def _chunks(self, request: Request, settings: SieveSettings) -> bool:
+        """Whether ``request``'s prompt is compressed between vLLM's prefill chunks (issue 59 item 3):
+        a prompt the pool cannot hold whole, under a method whose prompt competes with the output
+        (one that keeps the prompt cannot shrink it).  A prompt that fits is compressed once after
+        prefill, as kvsieve's engine does."""
+        policy = settings.policy
+        return not (policy.protect_prompt or policy.pin_prompt) and \
+            blocks_for(request.num_prompt_tokens + 1, self.block_size) > self.sieve_pool_blocks
+
     def _most_blocks(self, request: Request) -> int:
-        """Blocks ``request`` may hold at most under its settings (``bounds.held_tokens``), or its
-        recompute after a preemption (prompt and outputs), whichever is more."""
+        """Blocks ``request`` may hold at most under its settings (``bounds.held_tokens``): from its
+        prompt (or, resumed after a preemption, its prompt and outputs) on; a prompt compressed
+        between prefill chunks holds at most its count and one chunk."""
         settings = self._settings_of(request.request_id)[1]
         max_len = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
-        tokens = held_tokens(settings, self.block_size, request.num_prompt_tokens, max_len)
-        return max(blocks_for(tokens, self.block_size), blocks_for(request.num_tokens + 1, self.block_size))
+        first = request.num_tokens
+        if request.request_id in self.sieve_chunked:
+            first = min(first, count_of(settings, request.num_prompt_tokens, max_len) + self.sieve_chunk)
+        tokens = held_tokens(settings, self.block_size, request.num_prompt_tokens, max_len, first)
+        return blocks_for(tokens, self.block_size)
 
     def _shared(self, request: Request) -> int:
         """Tokens of ``request``'s prompt that prefix caching may share (``prefix.shared_tokens``)."""
@@ -314,6 +340,7 @@ class SieveScheduler(Scheduler):
         for kept in (self.sieve_preemptions, self.sieve_requests):
             for req_id in [r for r in kept if r not in self.requests]:
                 del kept[req_id]
+        self.sieve_chunked.intersection_update(self.requests)
 
     def _end_unresumable(self) -> None:
         """A preempted request whose recompute (prompt and outputs at full length) the pool cannot
@@ -332,8 +359,9 @@ class SieveScheduler(Scheduler):
         if not self.sieve.compresses:
             return pending
         for request in self.running:
-            # prompt (or the recompute after a preemption) done: one sampled token not yet in the KV
-            if request.num_tokens - request.num_computed_tokens != 1:
+            # prompt (or the recompute after a preemption) done: one sampled token not yet in the KV;
+            # or a prompt compressed between prefill chunks, between two of them
+            if request.num_tokens - request.num_computed_tokens != 1 and not self._between_chunks(request):
                 continue
             try:
                 cut = self._cut_one(request)
@@ -346,6 +374,11 @@ class SieveScheduler(Scheduler):
             self._end(request, "failed", f"its compaction could not be planned: {why}")
         return pending
 
+    def _between_chunks(self, request: Request) -> bool:
+        """A prompt compressed between prefill chunks (``_chunks``), part of it read, more to come."""
+        return request.request_id in self.sieve_chunked and \
+            0 < request.num_computed_tokens < request.num_prompt_tokens
+
     def _cut_one(self, request: Request) -> tuple[Compaction, list[list], int] | None:
         """The request's compaction, its cut blocks and its offset before, or None when none is due."""
         req_id = request.request_id
@@ -357,14 +390,20 @@ class SieveScheduler(Scheduler):
         if recomputed:
             self.sieve_preemptions[req_id] = request.num_preemptions
         overrides, settings = self._settings_of(req_id)
-        keep = keep_count(settings, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
-                          prompt_len=request.num_prompt_tokens, block_size=self.block_size)
+        if self._between_chunks(request):  # down to its count before each chunk of a long prompt
+            keep, coming = count_of(settings, request.num_prompt_tokens, logical), \
+                min(self.sieve_chunk, request.num_prompt_tokens - logical)
+        else:
+            keep = keep_count(settings, kv_len, logical - request.num_prompt_tokens, recomputed=recomputed,
+                              prompt_len=request.num_prompt_tokens, block_size=self.block_size)
+            coming = 1
         if keep is None or keep >= kv_len:
             return None
         block_ids = tuple(self.kv_cache_manager.get_block_ids(req_id)[0])
-        # keep the blocks for the kept tokens and this step's one new token: the request reuses
-        # its own cut block instead of asking the pool for one while its cut blocks are held
-        held = self.kv_cache_manager.shrink(req_id, keep + 1)
+        # keep the blocks for the kept tokens and this step's new ones (one token, or a prefill
+        # chunk): the request reuses its own cut blocks instead of asking the pool for them while
+        # its cut blocks are held (the worker reads the old tokens out before the forward pass)
+        held = self.kv_cache_manager.shrink(req_id, keep + coming)
         kept_blocks = len(block_ids) - len(held[0])
         self.sieve_offsets[req_id] = logical - keep
         return (Compaction(req_id, block_ids, kv_len, keep, kept_blocks, logical, request.num_prompt_tokens,

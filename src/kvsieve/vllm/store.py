@@ -115,7 +115,7 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
         query = queries[0, start - int(first[0]):end - int(first[0])].permute(1, 0, 2)[None]  # [1, H_q, T, D]
         _observe_then(scorer, layer, pos, query, torch.arange(start, end)[None], torch.tensor([end]))
     decode_from = torch.maximum(since, prompt_len)  # [R]
-    steps = int((logical_len - decode_from)[0])
+    steps = max(0, int((logical_len - decode_from)[0]))  # none while a prompt is read in chunks
     if steps and scorer.needs.observes_steps:  # every decode query in one call, causal by position
         at = decode_from[:, None] + torch.arange(steps)  # [R, T]
         query = queries[rows[:, None], at - first[:, None]].permute(0, 2, 1, 3)  # [R, H_q, T, D]
