@@ -98,7 +98,7 @@ def main() -> int:
     print(json.dumps({"baseline_plain_identical_share": result["baseline_plain"]["identical_share"]}), flush=True)
     for name in methods:
         own = dict(settings[name])
-        cfg = {"method": own.pop("method", name), "budget": args.budget, "interval": args.interval,
+        cfg = {"method": own.pop("method", name.split("@")[0]), "budget": args.budget, "interval": args.interval,
                "horizon": max(map(len, prompts)) + args.new_tokens, **own}
         why = unsplit(SieveSettings.from_config(cfg).for_model(hf_config).policy)
         if why:  # refused at TP > 1 by design: recorded, not run

@@ -43,9 +43,9 @@ def test_bad_settings_are_one_line_usage_errors(args, expected):
 
 
 def test_a_method_not_served_says_why():
-    assert ("caote:tova with these settings is not served inside vLLM: it evicts the prompt block by block "
-            "(prefill_block), which vLLM's chunked prefill does not hand over; set prefill_block=false to compress "
-            "the prompt once after prefill") in error_of("smollm2-135m", "--method", "caote:tova", "--budget", "64")
+    assert ("lagkv with these settings is not served inside vLLM: its own count rule over the prompt's blocks "
+            "(prefill_block) is not served; set prefill_block=false to compress the prompt once after prefill") in \
+        error_of("smollm2-135m", "--method", "lagkv", "--set", "prefill_block=16")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

@@ -30,7 +30,7 @@ NEW_TOKENS, BLOCK = 48, 32
 STATS = "<calibrated>"  # triattention's statistics: the tri_stats fixture's (calibrated on the bundled model)
 # each served method with the settings it needs on the bundled model: the two-engine script's, and the two
 # it leaves out there (random's draws depend on the store's size; triattention needs statistics)
-SERVED = {**load_script("vllm_two_engines").METHODS, "random": {},
+SERVED = {**{m: s for m, s in load_script("vllm_two_engines").METHODS.items() if "@" not in m}, "random": {},
           "triattention": {"options": {"stats": STATS}},  # its defaults: per_head across layers, the prompt pinned
           # LagKV's L and r fitted to the budget at max_model_len (512): nothing is compressed below S + 2L = 272
           "lagkv": {}, "localkv": {"budget": None},  # localkv at its own L = 128, r = 1/4: the same
@@ -107,6 +107,19 @@ def test_two_engines_agree_beyond_the_first_compaction(tmp_path):
             at = row["first_compaction"][i]
             assert at is not None and row["first_divergence"][i] > at, (method, i, row)
     assert all(result["methods"]["streaming"]["identical"][i] for i in agree)
+
+
+@pytest.mark.slow
+def test_caotes_block_wise_prefill_at_vllms_chunks_is_kvsieves(tmp_path):
+    """CAOTE over TOVA with blocks of 32 (vLLM's prefill chunks, engine_kwargs' threshold) on 3
+    GSM8K prompts at budget 32: prompts are compressed between chunks (more compactions than with
+    the prompt compressed whole), and every row where the two engines' full caches agree is
+    kvsieve's engine's, run one prompt at a time (its blocks from each prompt's first token)."""
+    result = run_script("vllm_two_engines", tmp_path, "--methods", "caote:tova@b32,caote:tova@whole", "--prompts", "3",
+                        "--budget", "32", "--new-tokens", "24", "--interval", "8")
+    blocks, whole = result["methods"]["caote:tova@b32"], result["methods"]["caote:tova@whole"]
+    assert blocks["engine"] == "one prompt at a time" and blocks["compactions"] > whole["compactions"]
+    assert blocks["identical_where_full_agrees"] == 1.0 and whole["identical_where_full_agrees"] == 1.0
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ compressed to how many tokens.  No vLLM needed."""
 import pytest
 
 from kvsieve.vllm import UnsupportedVLLM, check_vllm
-from kvsieve.vllm.plan import SieveSettings, keep_count
+from kvsieve.vllm.plan import SieveSettings, keep_count, prefill_chunk
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.3.dev12"])
@@ -21,80 +21,14 @@ def test_other_versions_are_refused_in_one_line(version):
 
 
 @pytest.mark.parametrize("method", ["caote:tova", "fastcaote:h2o", "caote:snapkv"])
-def test_caote_is_served_once_its_prompt_is_compressed_whole(method):
-    """CAOTE's block-wise prefill eviction is refused with the setting that serves it; with it off,
-    CAOTE and FastCAOTE over a served base are served."""
-    with pytest.raises(ValueError, match="set prefill_block=false to compress the prompt once after prefill"):
-        SieveSettings.from_config({"method": method, "budget": 64})
-    settings = SieveSettings.from_config({"method": method, "budget": 64, "options": {"prefill_block": False}})
-    assert settings.compresses and settings.policy.prefill_block is False
-
-
-def test_settings_refuse_unknown_keys_and_methods():
-    with pytest.raises(ValueError, match="unknown vLLM setting"):
-        SieveSettings.from_config({"method": "streaming", "budget": 64, "bugdet": 3})
-    with pytest.raises(ValueError, match="not served inside vLLM: it needs a per-token host hook"):
-        SieveSettings.from_config({"method": "skipkv", "budget": 64})
-    with pytest.raises(ValueError, match="needs a positive budget"):
-        SieveSettings.from_config({"method": "streaming"})
-    assert not SieveSettings.from_config(None).compresses
-
-
-def test_keep_count_follows_kvsieves_schedule():
-    s = SieveSettings(method="streaming", budget=64, interval=16, compress_prefill=True)
-    assert keep_count(s, kv_len=100, decode_steps=0) == 64  # the prompt, right after prefill
-    assert keep_count(s, kv_len=60, decode_steps=0) is None  # within the budget
-    assert keep_count(s, kv_len=70, decode_steps=5) is None  # not on the interval
-    assert keep_count(s, kv_len=80, decode_steps=32) == 64
-    no_prefill = SieveSettings(method="streaming", budget=64, interval=16, compress_prefill=False)
-    assert keep_count(no_prefill, kv_len=100, decode_steps=0) is None
-    assert keep_count(SieveSettings(), kv_len=10_000, decode_steps=16) is None  # full never compresses
-    # after a preemption's recompute (prompt + outputs at full length): at once, off the interval
-    assert keep_count(s, kv_len=300, decode_steps=37, recomputed=True) == 64
-
-
-def test_serving_default_compacts_when_the_next_token_needs_a_block():
-    """No interval set: a request over its count is compacted when the token it writes next opens a
-    new block (kv_len a multiple of the block size), not every step (streaming's own interval is 1)."""
-    s = SieveSettings(method="streaming", budget=128)
-    assert s.policy.interval == 1
-    due = [kv for kv in range(129, 300) if keep_count(s, kv, decode_steps=kv - 100, block_size=32) is not None]
-    assert due == [160, 192, 224, 256, 288]  # every block boundary above the budget
-    assert keep_count(s, 160, decode_steps=60, block_size=32) == 128
-    assert keep_count(s, 161, decode_steps=61) == 128  # no block size: kvsieve's schedule, every step
-    # an interval set by the server or the request is kept exactly
-    assert keep_count(SieveSettings(method="streaming", budget=128, interval=16), 170, 48, block_size=32) == 128
-    assert keep_count(SieveSettings(method="streaming", budget=128, interval=16), 160, 50, block_size=32) is None
-    # after the prompt (compress_prefill) and after a preemption's recompute: at once, off the block
-    assert keep_count(s, 150, decode_steps=0, block_size=32) == 128
-    assert keep_count(s, 171, decode_steps=40, recomputed=True, block_size=32) == 128
-
-
-def test_serving_default_keeps_a_longer_interval_rounded_up_to_a_block():
-    """A method whose own interval exceeds a block (Expected Attention's 512, capped at budget / 2 =
-    64 at budget 128) waits for that many tokens over the count, then for the next block boundary."""
-    s = SieveSettings(method="expected", budget=128, options={"rope_theta": 10000.0})
-    assert s.policy.interval == 64 and not s.policy.compress_prefill
-    due = [kv for kv in range(129, 400) if keep_count(s, kv, decode_steps=kv - 100, block_size=32) is not None]
-    assert due == [192, 224, 256, 288, 320, 352, 384]  # kv - 128 >= 64 on a block boundary
-    assert keep_count(s, 200, decode_steps=50, block_size=48) is None
-    assert keep_count(s, 192, decode_steps=50, block_size=48) == 128  # 192 = 4 x 48, 64 over
-
-
-def test_serving_default_holds_at_most_one_block_over_the_budget():
-    """A request decoding 1,000 tokens from a 150-token prompt at budget 128, blocks of 32, as the
-    scheduler drives it: TOVA compresses the prompt at once (compress_prefill), then once per 32
-    tokens (at 160 held), so never holds more than 5 blocks (4 for the budget, one more)."""
-    s, kv, blocks, compactions = SieveSettings(method="tova", budget=128), 150, [], 0
-    assert s.policy.compress_prefill and s.policy.interval == 1
-    for step in range(1000):  # before each step: one sampled token not yet in the KV
-        keep = keep_count(s, kv, decode_steps=step, block_size=32)
-        if keep is not None:
-            kv, compactions = keep, compactions + 1
-        kv += 1  # the step writes it
-        blocks.append(-(-kv // 32))
-    assert compactions == 1 + 999 // 32  # at steps 0, 32, 64, ..., 992
-    assert max(blocks) == 5 and blocks.count(5) == 1000
+def test_caote_is_served_with_its_prompt_read_in_its_blocks(method):
+    """CAOTE's block-wise prefill eviction is served at vLLM's prefill chunks, which engine_kwargs
+    makes its blocks of 128 (Sec. 4.1); with prefill_block=false the prompt is compressed whole."""
+    settings = SieveSettings.from_config({"method": method, "budget": 64})
+    assert settings.compresses and settings.policy.prefill_block_size() == 128
+    assert prefill_chunk({"method": method, "budget": 64}) == 128
+    assert prefill_chunk({"method": method, "budget": 64, "options": {"prefill_block": False}}) is None
+    assert prefill_chunk({"method": "tova", "budget": 64}) is None and prefill_chunk({"method": "full"}) is None
 
 
 @pytest.mark.parametrize("config, why", [
@@ -104,11 +38,10 @@ def test_serving_default_holds_at_most_one_block_over_the_budget():
     ({"method": "tova", "budget": 64, "interval": 0}, "interval"),
     ({"method": "lazy", "budget": 64, "options": {"window": 40}}, "needs budget >= 2W"),
     ({"method": "lagkv-l2"}, "keeps its first 2 layers whole"),
-    ({"method": "lagkv", "options": {"prefill_block": 16}}, "block by block"),
+    ({"method": "lagkv", "options": {"prefill_block": 16}}, "count rule over the prompt's blocks"),
     ({"method": "lagkv", "budget": 64, "horizon": 600}, "fits no setting of the paper's grid"),
     ({"method": "lagkv", "horizon": 0}, "horizon must be an integer >= 1"),
     ({"method": "skipkv", "budget": 64}, "per-token host hook"),
-    ({"method": "caote:tova", "budget": 64}, "block by block"),
     ({"method": "snapkv", "budget": 64, "record_queries": -1}, "record_queries"),
     ({"method": "snapkv", "budget": 64, "record_queries": "8"}, "record_queries must be an integer >= 0, got '8'"),
     ({"method": "snapkv", "budget": 64, "options": ["window", 8]}, "options must be a mapping"),

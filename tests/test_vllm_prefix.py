@@ -28,7 +28,7 @@ def _engine(prefix_caching: bool, method: str = "tova", **settings):
     from vllm import LLM
 
     return LLM(model=model_dir(), dtype="float32", enforce_eager=True, max_model_len=2048, block_size=BLOCK,
-               kv_cache_memory_bytes=161 * BLOCK_BYTES, seed=0, max_num_seqs=4,
+               kv_cache_memory_bytes=161 * BLOCK_BYTES, seed=0, max_num_seqs=4, disable_log_stats=False,
                **engine_kwargs(method, BUDGET, prefix_caching=prefix_caching, **settings))
 
 
@@ -42,6 +42,7 @@ def _staggered(llm) -> dict:
     pool = scheduler.kv_cache_manager.block_pool
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     starts = {0: 0, 1: 90, 2: 150}  # steps: q0's first compaction comes after 65 decode steps
+    hits_before = _prefix_cache_hits(llm)
     tokens, cached, step = {}, {}, 0
     while step == 0 or engine.has_unfinished_requests() or len(tokens) < len(starts):
         for i, at in starts.items():
@@ -53,7 +54,7 @@ def _staggered(llm) -> dict:
                 cached[out.request_id] = out.num_cached_tokens
         step += 1
     result = {"tokens": [tokens[f"q{i}"] for i in starts], "cached": [cached[f"q{i}"] for i in starts],
-              "compactions": scheduler.sieve_stats["compactions"],
+              "compactions": scheduler.sieve_stats["compactions"], "hits": _prefix_cache_hits(llm) - hits_before,
               "all_free": pool.get_num_free_blocks() == pool.num_gpu_blocks - 1}
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
@@ -67,6 +68,7 @@ def test_a_kept_prompt_is_shared_while_its_owner_is_compacted(method):
     prompt_blocks = len(model_tokens(PREFIX)) // BLOCK
     assert on["cached"][0] == 0 and min(on["cached"][1:]) >= (prompt_blocks - 1) * BLOCK  # the prefix hit
     assert off["cached"] == [0, 0, 0]
+    assert on["hits"] == sum(on["cached"]) and off["hits"] == 0  # vLLM's own counter, vllm:prefix_cache_hits
     assert on["compactions"] > 3 and on["compactions"] == off["compactions"]
     assert on["tokens"] == off["tokens"]
     assert on["all_free"] and off["all_free"]
@@ -75,6 +77,11 @@ def test_a_kept_prompt_is_shared_while_its_owner_is_compacted(method):
 def test_a_method_whose_prompt_competes_is_refused_with_prefix_caching():
     with pytest.raises(Exception, match="lets the prompt compete with the output"):
         _engine(True, "tova")
+
+
+def _prefix_cache_hits(llm) -> float:
+    """vLLM's own prefix-cache hit counter (``vllm:prefix_cache_hits``, in tokens), as /metrics shows it."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
 
 def model_tokens(text: str) -> list[int]:

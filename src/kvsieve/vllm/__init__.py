@@ -79,17 +79,26 @@ def engine_kwargs(method: str = "full", budget: int | None = None, prefix_cachin
     """Keyword arguments for ``vllm.LLM``/``EngineArgs`` that serve ``method`` at ``budget``:
     kvsieve's scheduler and worker classes, the settings in ``additional_config``, prefix
     caching off unless ``prefix_caching`` (for a method that keeps the prompt whole or pinned,
-    whose shared prefix no compaction moves: ``prefix``; the scheduler refuses the others), and the logits processor that checks a
-    request's own settings before it is queued (``REQUEST_CHECK``; to add processors of your own,
-    extend this list rather than pass ``logits_processors`` again).  ``UnsupportedVLLM`` off the
-    CPU platform (``check_platform``)."""
+    whose shared prefix no compaction moves: ``prefix``; the scheduler refuses the others), the
+    logits processor that checks a request's own settings before it is queued (``REQUEST_CHECK``;
+    to add processors of your own, extend this list rather than pass ``logits_processors``
+    again), and for a method that evicts the prompt block by block (CAOTE's ``prefill_block``),
+    vLLM's ``long_prefill_token_threshold`` set to the block, so vLLM's prefill chunks are the
+    method's blocks while more than one request is scheduled (``plan.prefill_chunk``).
+    ``UnsupportedVLLM`` off the CPU platform (``check_platform``)."""
+    from .plan import prefill_chunk
+
     check_vllm()
     check_platform()
     config = {"method": method, "budget": budget, **settings}
-    return {
+    kwargs = {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
         "enable_prefix_caching": prefix_caching,
         "additional_config": {CONFIG_KEY: config},
         "logits_processors": [REQUEST_CHECK],
     }
+    block = prefill_chunk(config)
+    if block:
+        kwargs["long_prefill_token_threshold"] = block
+    return kwargs

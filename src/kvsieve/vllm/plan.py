@@ -39,19 +39,21 @@ from ..checks import SettingError, check_at_least, check_value, did_you_mean
 # have their state rebuilt at each compaction from every query since the last one, the prompt's
 # included, so their ring holds ``max_model_len`` queries per request (``query_window``).
 #
+# Block-wise prefill eviction (``prefill_block``: CAOTE and FastCAOTE by default, Sec. 2) is
+# served at the boundaries of vLLM's prefill chunks: ``engine_kwargs`` sets vLLM's
+# ``long_prefill_token_threshold`` to the block (128), which vLLM applies while more than one
+# request is scheduled, and the scheduler compresses a prompt to its count before each chunk.  The
+# output each CAOTE error is measured from (h V, or the mean value) is computed at compaction from
+# the gathered values, where kvsieve's engine takes it from the attention pass
+# (``step_results["value_mix"]``, the same quantity).
+#
 # Not served, and why (``unserved`` gives the same reason for any method and settings):
 #
-# * caote:<base> and fastcaote:<base> with their default block-wise prefill eviction
-#   (prefill_block, CAOTE Sec. 2): vLLM's chunked prefill does not hand the prompt over block by
-#   block.  With prefill_block=false they are served: the prompt is compressed once after prefill,
-#   and the output each error is measured from (h V, or the mean value) is computed at compaction
-#   from the gathered values, where kvsieve's engine takes it from the attention pass
-#   (``step_results["value_mix"]``, the same quantity);
 # * skipkv: a per-token host hook (sentence boundaries from the token text), kvsieve's loop only;
 # * knorm and lagkv-l2 with their default skip_layers=2: two whole layers cannot share a block
 #   table with compressed ones; served with skip_layers=0;
-# * LagKV's chunked prefill (prefill_block, Sec. 3.4): vLLM's chunked prefill does not hand over
-#   the prompt's blocks;
+# * LagKV's chunked prefill (prefill_block, Sec. 3.4): its count rule over the prompt's blocks is
+#   not served;
 # * the pyramid and adakv allocators (per-layer and per-head counts): not offered.
 SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
           "h2o", "lazy", "raas", "lagkv", "localkv", "lagkv-l2")
@@ -64,6 +66,17 @@ SERVED_WRAPPERS = ("ams", "ams-released", "caote", "fastcaote")
 REQUEST_PREFIX = "kvsieve_"
 REQUEST_KEYS = {"kvsieve_budget": ("budget", 1), "kvsieve_interval": ("interval", 1),
                 "kvsieve_sinks": ("sinks", 0), "kvsieve_recent": ("recent", 0)}
+
+
+def prefill_chunk(config: dict[str, Any]) -> int | None:
+    """The block a method of ``config`` (a server's ``additional_config["kvsieve"]``) evicts the
+    prompt by (``Policy.prefill_block_size``), or None; None too for settings ``from_config``
+    refuses (the scheduler refuses them in one line)."""
+    try:
+        settings = SieveSettings.from_config(config)
+    except ValueError:
+        return None
+    return settings.policy.prefill_block_size() if settings.compresses else None
 
 
 def request_overrides(extra_args: dict[str, Any] | None) -> dict[str, int]:
@@ -153,9 +166,9 @@ def unserved(policy) -> str | None:
                "compressed layers (set skip_layers=0)"
     if needs.per_token_hook:
         return "it needs a per-token host hook (kvsieve's own decode loop only)"
-    if policy.prefill_block_size() is not None:
-        return "it evicts the prompt block by block (prefill_block), which vLLM's chunked prefill does not hand " \
-               "over; set prefill_block=false to compress the prompt once after prefill"
+    if policy.prefill_block_size() is not None and not needs.uses_budget:
+        return "its own count rule over the prompt's blocks (prefill_block) is not served; set prefill_block=false " \
+               "to compress the prompt once after prefill"
     if policy.allocator.ragged_heads or policy.allocator.name != "uniform":
         return f"allocator {policy.allocator.name!r} gives layers or heads different counts"
     return None

@@ -243,9 +243,9 @@ class SieveScheduler(Scheduler):
                                                           self._most_blocks if longer else None,
                                                           self._shared if self.sieve.compresses else None)
         self.sieve_step = 0
-        # vLLM's prefill chunk: a prompt longer than the pool is compressed before each one (_chunks)
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        self.sieve_chunk = min(self.scheduler_config.max_num_batched_tokens, threshold or self.max_model_len)
+        # vLLM's longest prefill chunk (its long_prefill_token_threshold does not cut a request
+        # scheduled alone): a prompt is compressed before each chunk where _chunks says so
+        self.sieve_chunk = self.scheduler_config.max_num_batched_tokens
         self.sieve_chunked: set[str] = set()  # requests whose prompt is compressed between prefill chunks
         self.sieve_held: dict[int, list[list[list]]] = {}  # step -> blocks cut that step, freed after it ran
         # req_id -> (its kvsieve_* overrides, its settings): requests with their own, dropped with the request
@@ -297,12 +297,15 @@ class SieveScheduler(Scheduler):
         self.sieve_stats[what] += 1
 
     def _chunks(self, request: Request, settings: SieveSettings) -> bool:
-        """Whether ``request``'s prompt is compressed between vLLM's prefill chunks (issue 59 item 3):
-        a prompt the pool cannot hold whole, under a method whose prompt competes with the output
-        (one that keeps the prompt cannot shrink it).  A prompt that fits is compressed once after
-        prefill, as kvsieve's engine does."""
+        """Whether ``request``'s prompt is compressed between vLLM's prefill chunks, under a method
+        whose prompt competes with the output (one that keeps the prompt cannot shrink it): one
+        that evicts the prompt block by block (CAOTE's ``prefill_block``; ``engine_kwargs`` makes
+        vLLM's chunks its blocks), or a prompt the pool cannot hold whole (issue 59 item 3).  Any
+        other prompt is compressed once after prefill, as kvsieve's engine does."""
         policy = settings.policy
-        return not (policy.protect_prompt or policy.pin_prompt) and \
+        if policy.protect_prompt or policy.pin_prompt:
+            return False
+        return policy.prefill_block_size() is not None or \
             blocks_for(request.num_prompt_tokens + 1, self.block_size) > self.sieve_pool_blocks
 
     def _most_blocks(self, request: Request) -> int:
