@@ -37,7 +37,8 @@ from ..checks import SettingError, check_at_least, check_value, did_you_mean
 #
 # Scorers that observe every query's attention (H2O's sums, LazyEviction's and RaaS's timestamps)
 # have their state rebuilt at each compaction from every query since the last one, the prompt's
-# included, so their ring holds ``max_model_len`` queries per request (``query_window``).
+# included, so their ring holds ``max_model_len`` queries per request (``query_window``), at most the
+# pool's tokens (the worker's ``initialize_kv_cache``: a replay reads only queries of tokens held).
 #
 # Block-wise prefill eviction (``prefill_block``: CAOTE and FastCAOTE by default, Sec. 2) is
 # served at the boundaries of vLLM's prefill chunks: ``engine_kwargs`` sets vLLM's
