@@ -7,6 +7,7 @@ is not installed, so ``make test`` in the project's .venv does not run it.  The 
 process group of its own, which the fixture's finalizer ends.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -76,20 +77,12 @@ def _stop(proc: subprocess.Popen) -> None:
     pytest.fail(f"processes of group {group} outlived SIGKILL")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The base URL of a running ``kvsieve serve``; its log is in the test's tmp directory."""
-    _model_dir()
+@contextlib.contextmanager
+def running(argv: list[str], log: Path):
+    """``kvsieve serve ARGV`` (its output in ``log``) until /health answers: its base URL; the
+    server's whole process group is ended afterwards."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    argv = [sys.executable, "-m", "kvsieve.cli", "serve", "smollm2-135m",
-            "--method", "streaming", "--budget", str(BUDGET), "--interval", str(INTERVAL),
-            # the rest is vLLM's own: a small fixed pool, fp32, eager
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-            "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
-            "--kv-cache-memory-bytes", str(POOL * BLOCK_BYTES), "--num-gpu-blocks-override", str(POOL),
-            "--max-model-len", "1024", "--max-num-seqs", "8",
-            "--seed", "0"]
+    argv = [sys.executable, "-m", "kvsieve.cli", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -109,6 +102,22 @@ def server(tmp_path_factory):
         yield url
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The base URL of a running ``kvsieve serve``; its log is in the test's tmp directory."""
+    _model_dir()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    argv = ["smollm2-135m", "--method", "streaming", "--budget", str(BUDGET), "--interval", str(INTERVAL),
+            # the rest is vLLM's own: a small fixed pool, fp32, eager
+            "--served-model-name", MODEL_NAME,
+            "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
+            "--kv-cache-memory-bytes", str(POOL * BLOCK_BYTES), "--num-gpu-blocks-override", str(POOL),
+            "--max-model-len", "1024", "--max-num-seqs", "8",
+            "--seed", "0"]
+    with running(argv, log) as url:
+        yield url
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -285,3 +294,33 @@ def test_metrics_show_the_compactions_a_request_had(server):
         assert after[key] - before[key] == expected, name
     count = 'kvsieve_request_kv_tokens_count{method="streaming"}'
     assert after[count] - before[count] == 96  # scheduled once per new token: the prefill, then 95 steps
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_server_gives_one_workers_text(tmp_path):
+    """``kvsieve serve -tp 2`` on Qwen2.5-Coder-0.5B (one kv head per worker), H2O at budget 64,
+    with no binding given: kvsieve serve binds each worker to a core of its own (vLLM's default
+    would assert on one NUMA node), and the greedy completions equal those of ``-tp 1``."""
+    from kvsieve.models import checkpoint_dir
+
+    if len(os.sched_getaffinity(0)) < 2 or checkpoint_dir("qwen2.5-coder-0.5b") is None:
+        pytest.skip("needs two cores and qwen2.5-coder-0.5b (make test-vllm installs it)")
+    prompts = ["def fibonacci(n):", "class Stack:"]
+    texts = {}
+    for tp in (2, 1):
+        argv = ["qwen2.5-coder-0.5b", "--method", "h2o", "--budget", "64", "--served-model-name", MODEL_NAME,
+                "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "512",
+                "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(64 << 20), "-tp", str(tp)]
+        env_before = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        try:
+            with running(argv, tmp_path / f"tp{tp}.log") as url:
+                texts[tp] = [requests.post(f"{url}/v1/completions", timeout=600, json={
+                    "model": MODEL_NAME, "prompt": p, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                }).json()["choices"][0]["text"] for p in prompts]
+                compactions = kvsieve_series(url).get('kvsieve_compactions_total{method="h2o"}', 0)
+        finally:
+            if env_before is not None:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = env_before
+        assert compactions > 0, tp
+    assert "binding them to cores" in (tmp_path / "tp2.log").read_text(errors="replace")
+    assert texts[2] == texts[1]
