@@ -16,15 +16,7 @@ what the schedule lets it grow between two compactions.  Two uses:
 from __future__ import annotations
 
 from .paged import blocks_for
-
-
-def count_of(settings, prompt_len: int, seen: int) -> int:
-    """Tokens a request keeps at a compaction after ``seen`` tokens (prompt included): the budget,
-    + the prompt with ``protect_prompt``, or a count rule's count (LagKV) of ``seen`` tokens."""
-    policy = settings.policy
-    if policy.scorer.needs.uses_budget:
-        return policy.budget + (prompt_len if policy.protect_prompt else 0)
-    return policy.scorer.needs.count_rule(seen)
+from .plan import count_of
 
 
 def held_tokens(settings, block_size: int, prompt_len: int, max_len: int, first: int | None = None) -> int:

@@ -319,6 +319,16 @@ class SieveSettings:
         return max(self.record_queries, needs.query_window, every, 1 if needs.observes else 0)
 
 
+def count_of(settings: SieveSettings, prompt_len: int, seen: int) -> int:
+    """Tokens a request keeps at a compaction after ``seen`` tokens (prompt included): the budget,
+    + the prompt with ``protect_prompt``, or the scorer's own count rule (checked in ``unserved``:
+    LagKV's) of ``seen`` tokens."""
+    policy = settings.policy
+    if policy.scorer.needs.uses_budget:
+        return policy.budget + (prompt_len if policy.protect_prompt else 0)
+    return policy.scorer.needs.count_rule(seen)
+
+
 def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomputed: bool = False,
                prompt_len: int = 0, block_size: int | None = None) -> int | None:
     """Tokens every (layer, kv head) of a request keeps when it is compressed now, or None when it
@@ -349,10 +359,7 @@ def keep_count(settings: SieveSettings, kv_len: int, decode_steps: int, recomput
         raise ValueError(f"kvsieve: {settings.method} fits its settings to the budget at a horizon: set horizon "
                          "(the server sets max_model_len)")
     policy = settings.policy
-    if policy.scorer.needs.uses_budget:
-        bound = policy.budget + (prompt_len if policy.protect_prompt else 0)
-    else:  # the scorer's own count (checked in unserved: it declares a count rule)
-        bound = policy.scorer.needs.count_rule(prompt_len + decode_steps)
+    bound = count_of(settings, prompt_len, prompt_len + decode_steps)
     if kv_len <= bound:
         return None
     if recomputed or (decode_steps == 0 and policy.compress_prefill):
