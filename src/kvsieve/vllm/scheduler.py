@@ -43,10 +43,11 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from . import check_vllm
-from .bounds import count_of, held_tokens
+from .bounds import held_tokens
 from .paged import blocks_for
 from .prefix import shared_tokens, uncacheable
-from .plan import Compaction, SievePlan, SieveSettings, keep_count, request_settings, settings_of, unsplit
+from .plan import (Compaction, SievePlan, SieveSettings, count_of, keep_count, request_settings, settings_of,
+                   unsplit)
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
 
@@ -146,9 +147,10 @@ class SieveKVCacheManager(KVCacheManager):
         another request may cache beyond it (a pinned prompt under a larger budget) holds tokens
         this request's compactions would move."""
         blocks, hit, boundary = super().get_computed_blocks(request)
-        if self.shared is None or hit <= self.shared(request):
+        shared = hit if self.shared is None else self.shared(request)
+        if hit <= shared:
             return blocks, hit, boundary
-        keep = self.shared(request) // self.block_size
+        keep = shared // self.block_size
         return self.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks)), \
             keep * self.block_size, 0
 
@@ -238,9 +240,9 @@ class SieveScheduler(Scheduler):
         # requests longer than the pool (issue 59 item 1): admitted only while the pool holds the most
         # every admitted request may hold, so none is preempted (its recompute would not fit)
         self.sieve_pool_blocks = kv_cache_config.num_blocks - 1  # vLLM keeps block 0 as its null block
-        longer = self.sieve.compresses and self.max_model_len > self.sieve_pool_blocks * self.block_size
+        self.sieve_longer = self.sieve.compresses and self.max_model_len > self.sieve_pool_blocks * self.block_size
         self.kv_cache_manager = SieveKVCacheManager.adopt(self.kv_cache_manager, self.sieve_offsets,
-                                                          self._most_blocks if longer else None,
+                                                          self._most_blocks if self.sieve_longer else None,
                                                           self._shared if self.sieve.compresses else None)
         self.sieve_step = 0
         # vLLM's longest prefill chunk (its long_prefill_token_threshold does not cut a request
@@ -268,13 +270,13 @@ class SieveScheduler(Scheduler):
             self.sieve_requests[request.request_id] = (overrides, settings)
         if self.sieve.compresses and self._chunks(request, settings):
             self.sieve_chunked.add(request.request_id)
-        if self.sieve.compresses and self._most_blocks(request) > self.sieve_pool_blocks:
-            most = self._most_blocks(request) * self.block_size
+        most = self._most_blocks(request) if self.sieve.compresses else 0
+        if most > self.sieve_pool_blocks:
             chunked = request.request_id in self.sieve_chunked
             self.sieve_chunked.discard(request.request_id)
             how = f"compressed between prefill chunks of {self.sieve_chunk}" if chunked else "then"
             fix = "lower --max-num-batched-tokens (vLLM's prefill chunk)" if chunked else "shorten the prompt"
-            return self._refuse(request, f"it may hold {most} tokens of KV (a prompt of {request.num_prompt_tokens} "
+            return self._refuse(request, f"it may hold {most * self.block_size} tokens of KV (a prompt of {request.num_prompt_tokens} "
                                 f"tokens, {how} {settings.method}'s count and schedule), more than the KV pool's "
                                 f"{self.sieve_pool_blocks * self.block_size}; {fix}, lower its budget, "
                                 "or give the server more KV memory (--kv-cache-memory-bytes)")
@@ -347,8 +349,11 @@ class SieveScheduler(Scheduler):
 
     def _end_unresumable(self) -> None:
         """A preempted request whose recompute (prompt and outputs at full length) the pool cannot
-        hold would wait for ever: it is ended, with the reason.  (When requests may be longer than the
-        pool, admission keeps every request from being preempted: ``SieveKVCacheManager``.)"""
+        hold would wait for ever: it is ended, with the reason.  Only where requests may be longer
+        than the pool (else every recompute fits), and there admission keeps every request from
+        being preempted (``SieveKVCacheManager``): a guard, not a path."""
+        if not self.sieve_longer:
+            return
         pool = self.sieve_pool_blocks
         for request in [r for r in self.waiting if r.status == RequestStatus.PREEMPTED
                         and blocks_for(r.num_tokens, self.block_size) > pool]:
