@@ -9,9 +9,9 @@ per row.  The baseline is plain vLLM's TP=2 against its TP=1: the all-reduce of 
 heads' partial outputs in another order, so rows can part with no eviction at all, and a method's
 rows are read against it (``identical_where_plain_agrees``).
 
-Each TP=2 worker is bound to its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on this machine,
-set here for the TP=2 runs from the cores this process may use; without it vLLM's CPU worker
-asserts that one NUMA node cannot hold two workers).
+Each TP=2 worker is bound to cores of its own (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on this machine,
+set for the TP=2 runs as ``kvsieve serve`` sets it, ``preflight.bind_workers``; without it vLLM's
+CPU worker asserts that one NUMA node cannot hold two workers).
 Run from the vLLM environment, nothing else running (two worker processes take both cores):
 
     PYTHONPATH=src .vllm-env/bin/python scripts/vllm_tp.py --prompts 10 --new-tokens 32 \\
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script below
 
-from vllm_two_engines import METHODS, compare, gsm8k_prompts, save, vllm_tokens  # noqa: E402
+from vllm_two_engines import METHODS, chosen, compare, gsm8k_prompts, save, vllm_tokens  # noqa: E402
 
 MODEL = "qwen2.5-coder-0.5b"  # 14 heads / 2 kv heads: divides by 2 (SmolLM2's 9 / 3 do not)
 # the two-engine script's settings, and TOVA scoring each kv head alone (its default averages a
@@ -38,14 +38,19 @@ SETTINGS = {**METHODS, "tova-group": {"method": "tova", "options": {"heads": "gr
 
 
 def tokens_at(tp: int, model_dir: str, prompts, new_tokens: int, config: dict | None, max_model_len: int):
-    """``vllm_tokens`` at tensor-parallel size ``tp``, each worker on its own core when tp > 1 (the
-    first ``tp`` cores this process may run on)."""
+    """``vllm_tokens`` at tensor-parallel size ``tp``, each worker on cores of its own when tp > 1,
+    as ``kvsieve serve`` binds them (``preflight.bind_workers``: this process's cores split between
+    the workers where vLLM's own binding cannot place them, a binding already set kept)."""
+    from kvsieve.vllm.preflight import ServeOptions, bind_workers, numa_node_count
+
     before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if tp > 1:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < tp:
-            raise SystemExit(f"vllm_tp: {tp} tensor-parallel workers need {tp} cores; this process may use {len(cores)}")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in cores[:tp])
+    try:
+        bind = bind_workers(ServeOptions(tensor_parallel_size=tp), dict(os.environ), sorted(os.sched_getaffinity(0)),
+                            numa_node_count())
+    except ValueError as err:
+        raise SystemExit(f"vllm_tp: {err}") from None
+    if bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
     try:
         return vllm_tokens(model_dir, prompts, new_tokens, config, max_model_len, tensor_parallel_size=tp)
     finally:
@@ -69,14 +74,7 @@ def main() -> int:
                     help="TriAttention's statistics of the model (kvsieve calibrate triattention --model "
                          f"{MODEL}): with it, --methods may name triattention (its official defaults)")
     args = ap.parse_args()
-    methods = args.methods.split(",")
-    settings = dict(SETTINGS)
-    if args.triattention_stats:
-        settings["triattention"] = {"options": {"stats": args.triattention_stats}}
-    unknown = [m for m in methods if m not in settings]
-    if unknown:
-        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(settings)} (triattention needs "
-                 "--triattention-stats)")
+    settings = chosen(ap, args.methods, SETTINGS, args.triattention_stats)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the scheduler's counters
     from transformers import AutoConfig, AutoTokenizer
@@ -96,7 +94,7 @@ def main() -> int:
               "methods": {}}
     agree = [i for i, same in enumerate(result["baseline_plain"]["identical"]) if same]
     print(json.dumps({"baseline_plain_identical_share": result["baseline_plain"]["identical_share"]}), flush=True)
-    for name in methods:
+    for name in settings:
         own = dict(settings[name])
         cfg = {"method": own.pop("method", name.split("@")[0]), "budget": args.budget, "interval": args.interval,
                "horizon": max(map(len, prompts)) + args.new_tokens, **own}

@@ -60,6 +60,17 @@ BLOCK = 32
 PROMPT = "Question: {question}\nAnswer: Let's think step by step."
 
 
+def chosen(ap: argparse.ArgumentParser, names: str, table: dict[str, dict], stats: str | None) -> dict[str, dict]:
+    """Each method of ``names`` (comma-separated) with its settings from ``table``, TriAttention's
+    with its statistics file ``stats``; ``ap.error`` for a name not there."""
+    table = {**table, **({"triattention": {"options": {"stats": stats}}} if stats else {})}
+    unknown = [m for m in names.split(",") if m not in table]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(table)} "
+                 "(triattention needs --triattention-stats)")
+    return {m: table[m] for m in names.split(",")}
+
+
 def gsm8k_texts(n: int) -> list[str]:
     """The first ``n`` GSM8K test questions, each as a plain question/answer prompt (``PROMPT``)."""
     rows = []
@@ -145,13 +156,7 @@ def main() -> int:
                     help="TriAttention's statistics of the bundled model (kvsieve calibrate triattention): "
                          "with it, --methods may name triattention (its official defaults)")
     args = ap.parse_args()
-    methods = dict(METHODS)
-    if args.triattention_stats:
-        methods["triattention"] = {"options": {"stats": args.triattention_stats}}
-    unknown = [m for m in args.methods.split(",") if m not in methods]
-    if unknown:
-        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(methods)} "
-                 "(triattention needs --triattention-stats)")
+    methods = chosen(ap, args.methods, METHODS, args.triattention_stats)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the scheduler's counters
     import torch
@@ -175,7 +180,7 @@ def main() -> int:
               "interval": args.interval, "block_size": BLOCK,
               "baseline_full": compare(plain, full), "methods": {}}
     agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
-    for method in args.methods.split(","):
+    for method in methods:
         # horizon: LagKV's budget fit (the server's max_model_len by default) is kvsieve's for this batch
         cfg = {"method": method.split("@")[0], "budget": args.budget, "interval": args.interval,
                "horizon": max(map(len, prompts)) + args.new_tokens, **methods[method]}
