@@ -269,9 +269,9 @@ def _pool_requests(seed: int):
     return out
 
 
-def _compress_all(policy, ring: int, requests, together: bool):
+def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int | None = None):
     """Both compactions of every request, together or one by one: the pool and the states."""
-    from kvsieve.vllm.store import HeldRings, compress_requests
+    from kvsieve.vllm.store import STACK_BYTES, HeldRings, compress_requests
 
     caches = [torch.zeros(3 * 12, H, BLOCK, 2 * D) for _ in range(L)]
     states = [RequestState() for _ in requests]
@@ -300,7 +300,8 @@ def _compress_all(policy, ring: int, requests, together: bool):
             c.req_id: requests[r][2][:, c.logical_len - min(ring, c.logical_len):c.logical_len]
             for r, (_, c) in enumerate(items)})
         if together:
-            compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings)
+            compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings,
+                              STACK_BYTES if stack_bytes is None else stack_bytes)
         else:
             for state, c in items:
                 compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
@@ -313,7 +314,8 @@ def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path)
     """A step's requests scored as one batch (rows of different lengths, prompts, positions and
     recorded queries; the shorter ones padded with dead slots) keep, in every (layer, kv head), the
     very tokens each keeps when compressed alone, with the same fields, at both compactions; their
-    K/V land in each request's own first slots.  TriAttention: its defaults (cross-layer, the
+    K/V land in each request's own first slots; and the same when each layer is scored alone,
+    where a scorer stacks layers (``Needs.stacks_layers``).  TriAttention: its defaults (cross-layer, the
     prompt pinned inside the budget)."""
     config = {"method": case, "budget": BUDGET, **CASES.get(case, {})}
     if case == "triattention":
@@ -323,11 +325,14 @@ def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path)
     caches_t, states_t = _compress_all(settings.policy, ring, requests, together=True)
     # a scorer of its own (a stateful one keeps per-layer state between calls)
     caches_a, states_a = _compress_all(SieveSettings.from_config(config).policy, ring, requests, together=False)
+    # and together one layer at a time (no stacked layers: ``stack_bytes`` 0)
+    caches_l, states_l = _compress_all(SieveSettings.from_config(config).policy, ring, requests, True, 0)
     for r, (keys, values, _, blocks) in enumerate(requests):
-        assert torch.equal(states_t[r].pos, states_a[r].pos), (case, r)
-        assert states_t[r].fields.keys() == states_a[r].fields.keys()
-        for name in states_t[r].fields:
-            torch.testing.assert_close(states_t[r].fields[name], states_a[r].fields[name], rtol=1e-5, atol=1e-6)
+        for other in (states_a, states_l):
+            assert torch.equal(states_t[r].pos, other[r].pos), (case, r)
+            assert states_t[r].fields.keys() == other[r].fields.keys()
+            for name in states_t[r].fields:
+                torch.testing.assert_close(states_t[r].fields[name], other[r].fields[name], rtol=1e-5, atol=1e-6)
         keep = states_t[r].pos.shape[-1]
         for layer in range(L):
             k, v = gather(CpuLayout(), caches_t[layer], torch.tensor(blocks), keep)
@@ -336,22 +341,26 @@ def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path)
                 assert torch.equal(k[h], keys[layer, h, kept]) and torch.equal(v[h], values[layer, h, kept])
 
 
-def test_requests_of_one_count_are_scored_in_one_call_per_layer(monkeypatch):
-    """Requests keeping the same count are scored together: one keep-set per layer for the three.
-    A replaying scorer (H2O: every query since its last compaction) scores them one by one at the
-    first compaction, where each replays its own prompt, and together at the second, where each
-    replays its EXTRA decode queries."""
+def test_requests_of_one_count_are_scored_in_one_call_per_layer_or_for_every_layer(monkeypatch):
+    """Requests keeping the same count are scored together: one keep-set per layer for the three,
+    or one for every layer where the scorer stacks layers (``Needs.stacks_layers``: a view of
+    L * 3 rows).  A replaying scorer (H2O: every query since its last compaction) scores them one
+    by one at the first compaction, where each replays its own prompt, and together at the
+    second, where each replays its EXTRA decode queries.  Random draws per call, so its layers
+    are scored one at a time."""
     import kvsieve.vllm.store as store
 
     calls = []
     real = store.keep_set
     monkeypatch.setattr(store, "keep_set", lambda layer, *args: calls.append(layer.keys.shape[0]) or real(layer, *args))
     requests = _pool_requests(5)
-    for method, expected in (("tova", [3] * L * 2), ("h2o", [1] * 3 * L + [3] * L)):
+    for method, stack_bytes, expected in (("tova", 0, [3] * L * 2), ("h2o", 0, [1] * 3 * L + [3] * L),
+                                          ("tova", None, [3 * L] * 2), ("h2o", None, [L] * 3 + [3 * L]),
+                                          ("random", None, [3] * L * 2)):
         calls.clear()
         settings = SieveSettings.from_config({"method": method, "budget": BUDGET})
-        _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, together=True)
-        assert calls == expected, method
+        _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, True, stack_bytes)
+        assert calls == expected, (method, stack_bytes)
 
 
 @pytest.mark.parametrize("config", [

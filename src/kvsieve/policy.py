@@ -95,6 +95,10 @@ class Needs:
         scores (TriAttention's ``per_head``, ``Schedule.compress_across_layers``).
     rows_coupled : bool
         A row's scores read other rows (AMS's released batch segmentation): vLLM scores it alone.
+    stacks_layers : bool
+        ``observe``, ``score`` and ``select`` read nothing of a layer but its rows: no layer index,
+        no state kept between calls, no random draws.  Rows of several layers may then be scored
+        as one batch (vLLM's worker scores every layer of a compaction at once, ``store._Batch``).
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -114,6 +118,7 @@ class Needs:
     traceable: bool = True
     cross_layer: bool = False
     rows_coupled: bool = False
+    stacks_layers: bool = False
 
     @property
     def fits_budget(self) -> bool:

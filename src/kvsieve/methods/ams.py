@@ -182,7 +182,9 @@ class AMS(WrappingScorer):
                   query_window=max(self.mass_window, inner.needs.query_window),
                   slot_order_free=False, aligned_heads=False,
                   # the released code's batch-mean segments and batch-wide suffix maximum read every row
-                  rows_coupled=inner.needs.rows_coupled or self.segmentation == "batch" or self.padding == "suffix")
+                  rows_coupled=inner.needs.rows_coupled or self.segmentation == "batch" or self.padding == "suffix",
+                  # Alg. 1's order keeps the base's scores per layer index between score and select
+                  stacks_layers=inner.needs.stacks_layers and self.order != "alg1")
 
     def score(self, layer, seen_tokens):
         """The base's scores g [B, H_kv, cap] (Alg. 1 line 32): the base sees only its own query

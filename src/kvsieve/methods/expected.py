@@ -106,7 +106,7 @@ class ExpectedAttention(Scorer):
 
     about = About("expected attention of future queries (Gaussian, RoPE-averaged) times value norm",
                   "Devoto et al. 2025 (arXiv:2510.00636) via kvpress; epsilon 1e-2, HS buffer 256: AMS Table 10/15")
-    needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
+    needs = Needs(slot_order_free=True, stacks_layers=True)  # per-token scores: the engine may evict in place
     # protect_prompt False (inherited): AMS App. B.2 "cap the per-layer cache length at T_keep", the prompt
     # included, as ``ams``; its Table 11 notes prompt-prefix protection for R-KV and RPC only
     defaults = Defaults(sinks=4, interval=512, compress_prefill=False)  # AMS App. B.2, Tables 12/15

@@ -50,7 +50,8 @@ class H2O(Scorer):
                   "'lazy-window': recent = LazyEviction's W, as its H2O baseline (LazyEviction App. C)")
     # the attention each token received, summed; per-token scores: the engine may evict in place
     # observes_steps: T steps' rows add up as T calls of one do (a sum; the order of the adds apart)
-    needs = Needs(meta={"acc": 0.0}, observes=True, observes_steps=True, slot_order_free=True)
+    needs = Needs(meta={"acc": 0.0}, observes=True, observes_steps=True, slot_order_free=True,
+                  stacks_layers=True)
     # interval 1: the greedy eviction policy (Sec. 3) evicts at every decoding step; sinks 0 and
     # protect_prompt False: Sec. 5 splits the whole budget into heavy hitters and recent tokens, no share
     # for sinks or the prompt; compress_prefill True: kvsieve's choice, a prompt longer than the budget is

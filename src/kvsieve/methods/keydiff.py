@@ -23,7 +23,7 @@ class KeyDiff(Scorer):
     about = About("negated cosine similarity to the mean key (attention-free)",
                   "Park et al. 2025 (arXiv:2504.15364), Sec. 3")
     # per-token scores (the engine may evict in place); key norms per token, the anchor's running sum
-    needs = Needs(kv_fields=("key_norm",), kv_sums=("unit_key_sum",), slot_order_free=True)
+    needs = Needs(kv_fields=("key_norm",), kv_sums=("unit_key_sum",), slot_order_free=True, stacks_layers=True)
     # Schedule: the engine's ``Defaults()`` (sinks 0, recent 0, interval 1, compress_prefill True), kvsieve's
     # choice, none cited from the paper: the cache is held at the budget from prefill on, step by step.
     # protect_prompt False: AMS App. B.2 caps its KeyDiff baseline's per-layer cache at T_keep, prompt

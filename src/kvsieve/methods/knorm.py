@@ -27,7 +27,7 @@ class Knorm(Scorer):
 
     about = About("negated L2 norm of each key (attention-free); first two layers uncompressed",
                   "Devoto et al. 2024 (arXiv:2406.11430), Sec. 3; layers 0-1 skipped as in the authors' code")
-    needs = Needs(kv_fields=("key_norm",), slot_order_free=True)  # per-token scores: evicted in place
+    needs = Needs(kv_fields=("key_norm",), slot_order_free=True, stacks_layers=True)  # per-token scores: evicted in place
     # Schedule: the engine's ``Defaults()`` (sinks 0, recent 0, interval 1, compress_prefill True,
     # protect_prompt False, prefill_block 0), kvsieve's choice, none cited from the paper or the authors'
     # code: every token competes, prompt included, and the cache is held at the budget from prefill on

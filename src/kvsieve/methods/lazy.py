@@ -191,7 +191,8 @@ class LazyEviction(Scorer):
                   "interval = W, budget >= 2W")
     # new tokens: born now (TS = own position), MRI 0 (Sec. 4); per-token scores: evicted in place
     # observes_steps: T decode steps' rows in one call are Alg. 1 run T times (observe_timestamps)
-    needs = Needs(meta={"ts": TS_UNSET, "mri": 0.0}, observes=True, observes_steps=True, slot_order_free=True)
+    needs = Needs(meta={"ts": TS_UNSET, "mri": 0.0}, observes=True, observes_steps=True, slot_order_free=True,
+                  stacks_layers=True)
     # compress_prefill False: Alg. 1 line 8 / App. B, eviction only "at the decoding step t = kW", k in N+,
     # never at the prefill (the prompt is scored like generated tokens, App. H.2); protect_prompt False:
     # App. H.2-H.3 "we treat Prefill and Decode tokens equally": prompt tokens compete.  Interval and recent

@@ -54,7 +54,8 @@ class RaaS(Scorer):
                   "alpha from LazyEviction Table 10 by family (extrapolated beyond DS-Llama/Qwen)")
     # new tokens: born now, not prompt; per-token scores: the engine may evict in place
     # observes_steps: T decode steps' rows in one call set TS as T calls do (observe_timestamps)
-    needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, observes_steps=True, slot_order_free=True)
+    needs = Needs(meta={"ts": TS_UNSET, "prompt": 0.0}, observes=True, observes_steps=True, slot_order_free=True,
+                  stacks_layers=True)
     # protect_prompt False (inherited): RaaS keeps the prompt by its own rule, inside the budget (App. H.2:
     # it "mandatorily retain[s] all Prefill tokens"; H.3: "the KV cache budget becomes saturated by the
     # prefill tokens"), so the prompt is not put outside it

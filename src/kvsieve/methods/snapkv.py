@@ -59,7 +59,7 @@ class SnapKV(Scorer):
         # fresh window.  interval=1 compresses every step at the cost of ``window`` attention rows
         # per step (about 6x a decode step at 2048 cached tokens on the 0.5B model).
         self.defaults = replace(self.defaults, recent=self.window, interval=self.window)
-        self.needs = replace(self.needs, query_window=self.window)  # the window's queries vote
+        self.needs = replace(self.needs, query_window=self.window, stacks_layers=True)  # the window's queries vote
 
     def score(self, layer, seen_tokens):
         votes = reduce_group(window_attention(layer).sum(dim=3), self.head_reduction)  # [B, H_kv, cap]

@@ -21,7 +21,7 @@ class StreamingLLM(Scorer):
 
     about = About("attention sinks + sliding window of recent tokens",
                   "Xiao et al. 2023 (arXiv:2309.17453), Sec. 3.2: 4 sink tokens")
-    needs = Needs(slot_order_free=True)  # per-token scores: the engine may evict in place
+    needs = Needs(slot_order_free=True, stacks_layers=True)  # per-token scores: the engine may evict in place
     # interval 1, compress_prefill True and protect_prompt False: the cache is the sinks plus a rolling
     # window of the newest tokens whatever their source (Sec. 3.2), so a prompt longer than the budget is
     # cut to it after prefill and evicted token by token after; kvsieve's reading, also AMS App. B.2's,

@@ -35,7 +35,7 @@ class TOVA(Scorer):
     # only, interval > 1 observes once per interval.  Per-token scores: the engine may evict in place.
     # One recent query: only score_per_query_head (CAOTE) reads it.
     needs = Needs(meta={"last_attn": 0.0}, observes=True, observes_last_only=True, query_window=1,
-                  slot_order_free=True)
+                  slot_order_free=True, stacks_layers=True)
     # Schedule (the engine's ``Defaults()``): interval 1, Sec. 3.3, a token dropped at each step; sinks and
     # recent 0 and protect_prompt False: Sec. 3.3 drops the lowest-scoring token of the whole cache, none
     # exempt (AMS App. B.2 caps its TOVA baseline's cache at T_keep, prompt included); compress_prefill

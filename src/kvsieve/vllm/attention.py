@@ -67,6 +67,10 @@ class QueryRecorder:
         """Queries the request's ring holds: all it has seen, up to ``window``."""
         return min(int(self.count[self.slot_of[req_id]]), self.window)
 
+    def heads(self) -> int:
+        """H_q, the query heads of each recorded query."""
+        return self.buffers[0].shape[1]
+
     def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
         """The last ``n`` recorded queries of each request in one layer, oldest first, in one
         index_select: [R, n, H_q, D] (each request holds at least ``n``: ``held``)."""

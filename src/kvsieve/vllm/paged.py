@@ -77,20 +77,25 @@ def block_table(block_ids: list) -> torch.Tensor:
     return torch.tensor([list(ids) + [ids[0]] * (most - len(ids)) for ids in block_ids], dtype=torch.long)
 
 
-def gather_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor,
-                live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, live: torch.Tensor,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the first tokens of R requests in one layer, in one gather: keys, values
-    [R, H_kv, S, D].  table: [R, blocks] each request's blocks (``block_table``); live: [R, S] the
-    slots each request holds (its first ones); the others are zero."""
+    [R, H_kv, S, D], written into ``out`` when given (two such tensors, e.g. one layer's part of
+    a stack of layers).  table: [R, blocks] each request's blocks (``block_table``); live: [R, S]
+    the slots each request holds (its first ones); the others are zero.  (Whole blocks by
+    ``index_select`` instead of tokens measured no faster here: 1.1 against 1.0 ms for 16
+    requests of 160 tokens on SmolLM2-135M's shape.)"""
     keys, values = layout.key_value(kv_cache)
     block_size = keys.shape[2]
     idx = torch.arange(live.shape[-1]).expand_as(live).masked_fill(~live, 0)  # [R, S]: padding reads slot 0
     blk, off = table.gather(-1, torch.div(idx, block_size, rounding_mode="floor")), idx % block_size
-    keys, values = keys[blk, :, off], values[blk, :, off]  # [R, S, H, D]
+    keys, values = keys[blk, :, off].transpose(1, 2), values[blk, :, off].transpose(1, 2)  # [R, H, S, D]
+    if out is not None:
+        keys, values = out[0].copy_(keys), out[1].copy_(values)
     if not bool(live.all()):  # padding slots read as zero
-        dead = ~live[:, :, None, None]
+        dead = ~live[:, None, :, None]
         keys, values = keys.masked_fill_(dead, 0), values.masked_fill_(dead, 0)
-    return keys.transpose(1, 2), values.transpose(1, 2)  # [R, H, S, D]
+    return keys, values
 
 
 def gather(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

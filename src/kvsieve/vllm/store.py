@@ -36,6 +36,14 @@ from .paged import Layout, block_table, gather_rows, write_rows
 from .plan import Compaction
 
 
+# The most one stacked scoring's largest tensor may take (``_Batch.stacks``): attention rows of
+# every stacked layer at once.  Stacking pays where a compaction is many small calls: one request
+# on SmolLM2-135M (30 layers) compacts in about half the time with 4 MiB stacks (13 layers of
+# 0.3 MiB); 16 requests (5 MiB a layer) gain nothing and lose with larger stacks, whose tensors
+# outgrow the cache (scripts/compaction_bench.py, results/compaction-stacked.json).
+STACK_BYTES = 4 * 2**20
+
+
 class Rings(Protocol):
     """The recorded post-RoPE queries of live requests (``attention.QueryRecorder``; ``HeldRings``)."""
 
@@ -45,6 +53,10 @@ class Rings(Protocol):
 
     def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
         """The last ``n`` queries of each request in one layer, oldest first: [R, n, H_q, D]."""
+        ...
+
+    def heads(self) -> int:
+        """H_q, the query heads of each recorded query."""
         ...
 
 
@@ -60,6 +72,9 @@ class HeldRings:
 
     def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
         return torch.stack([self.queries[r][layer, self.held(r) - n:] for r in req_ids])
+
+    def heads(self) -> int:
+        return next(iter(self.queries.values())).shape[2]
 
 
 @dataclass
@@ -95,8 +110,8 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
     (positions below ``prompt_len``) in one call, then the decode queries, every row of the batch
     at once: all of them in one call (``steps=True``) where the scorer takes steps so
     (``Needs.observes_steps``: H2O, LazyEviction, RaaS), else one call per query.  The rows replay
-    alike (``replay_shape``): a batch of one request when it has prompt queries to replay, else
-    rows with as many decode queries each.
+    alike (``replay_shape``): one request (its layers stacked, ``_Batch``) when it has prompt
+    queries to replay, else rows with as many decode queries each.
 
     queries: [R, n, H_q, D] each request's last n recorded queries, oldest first, at positions
     ``logical_len - n`` .. ``logical_len - 1`` (logical_len, since, prompt_len: [R]); each call's
@@ -110,10 +125,12 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
                            f"the last {n} of {logical_len.tolist()} were recorded")
     pos = layer.meta["pos"]  # [R, H_kv, S]
     rows = torch.arange(R)
-    if bool((since < prompt_len).any()):  # a batch of one: the prompt's rows in one call
+    if bool((since < prompt_len).any()):  # one request (a row per layer): the prompt's rows in one call
+        if any(bool((t != t[0]).any()) for t in (since, prompt_len, logical_len)):
+            raise RuntimeError("kvsieve: a prompt's queries are replayed for one request at a time")
         start, end = int(since[0]), int(min(prompt_len[0], logical_len[0]))
-        query = queries[0, start - int(first[0]):end - int(first[0])].permute(1, 0, 2)[None]  # [1, H_q, T, D]
-        _observe_then(scorer, layer, pos, query, torch.arange(start, end)[None], torch.tensor([end]))
+        query = queries[:, start - int(first[0]):end - int(first[0])].permute(0, 2, 1, 3)  # [R, H_q, T, D]
+        _observe_then(scorer, layer, pos, query, torch.arange(start, end).expand(R, -1), torch.full((R,), end))
     decode_from = torch.maximum(since, prompt_len)  # [R]
     steps = max(0, int((logical_len - decode_from)[0]))  # none while a prompt is read in chunks
     if steps and scorer.needs.observes_steps:  # every decode query in one call, causal by position
@@ -165,11 +182,13 @@ class PartlyWritten(RuntimeError):
 
 
 def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
-                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None) -> dict[str, str]:
+                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None,
+                      stack_bytes: int = STACK_BYTES) -> dict[str, str]:
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
-    compressed together (``_Batch``: per layer one gather, one scoring, one write for all of
-    them); a replaying scorer's requests also replay as many queries, none of them a prompt's
+    compressed together (``_Batch``: per layer one gather and one write for all of them, and one
+    scoring for all of them and, where the scorer allows, for several layers: ``_Batch.stacks``
+    under ``stack_bytes``, 0 for one layer at a time); a replaying scorer's requests also replay as many queries, none of them a prompt's
     (``replay_shape``), and a scorer whose rows read each other (``Needs.rows_coupled``: AMS's
     batch segmentation) has its requests compressed one at a time.
 
@@ -202,7 +221,7 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
         while tries:
             batch = tries.pop()
             try:
-                _Batch(policy, layout, caches, batch).compress(scalings, rings)
+                _Batch(policy, layout, caches, batch).compress(scalings, rings, stack_bytes)
             except Exception as err:  # noqa: BLE001: any failure is one request's, never the server's
                 if len(batch) > 1 and not isinstance(err, PartlyWritten):
                     tries += [[one] for one in batch]
@@ -231,7 +250,12 @@ class _Batch:
     once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one scatter per layer writes each
     request's kept slots into its own first slots (``paged.write_rows``), the slots' positions and
     fields moving with them.  Each request keeps its ``keep`` (the same in the batch); the count
-    and the choice are per row, so a batch keeps what each request alone keeps."""
+    and the choice are per row, so a batch keeps what each request alone keeps.
+
+    A scorer that reads nothing of a layer but its rows (``Needs.stacks_layers``) has several
+    layers scored as one view of [n * R] rows, layer-major (``stacks``): one scoring for them all
+    instead of one per layer, since a compaction's cost is the count of small tensor calls, not
+    their size (about 130 per layer for LazyEviction; docs/vllm-design.md)."""
 
     def __init__(self, policy, layout: Layout, caches: list[torch.Tensor],
                  requests: list[tuple[RequestState, Compaction]]):
@@ -246,42 +270,79 @@ class _Batch:
         self.seen = torch.tensor([c.logical_len for c in self.cs])  # [R]: each next token's position
         self.since = torch.tensor([st.next_pos for st in self.states])  # [R]: each last compaction's position
         needs = policy.scorer.needs
+        # [L, R, H, S], contiguous: a run of layers is a run of rows (``read``)
         self.pos = torch.stack([pad(st.positions(c.kv_len, L, H), S, DEAD_POS)
-                                for st, c in requests], dim=1)  # [L, R, H, S]
+                                for st, c in requests], dim=1).contiguous()
         self.fields = {name: torch.stack([pad(st.field(name, init, c.kv_len, L, H), S, init)
-                                          for st, c in requests], dim=1)  # [L, R, H, S]
+                                          for st, c in requests], dim=1).contiguous()  # [L, R, H, S]
                        for name, init in needs.meta.items()}
         self.prompts = prompts = torch.tensor([c.prompt_len for c in self.cs])  # [R]
         self.kept_prompt = prompts if policy.protect_prompt or policy.pin_prompt else None
         self.prompt_len = prompts if policy.protect_prompt else None
         self.pinned = prompts.clamp(max=policy.budget) if policy.pin_prompt else None
 
-    def read(self, layer: int, scaling: float, rings: Rings | None) -> LayerView:
-        """Layer ``layer`` of every request as the scorer reads it (``engine.LayerReader``), its
-        attention rows observed."""
+    def stacks(self, scalings: list[float], rings: Rings | None, stack_bytes: int) -> list[range]:
+        """The layers scored together, as runs: one layer each, unless the scorer stacks layers
+        (``Needs.stacks_layers``), when runs of one softmax scale hold as many layers as keep the
+        largest attention-rows tensor of a run under ``stack_bytes`` (its rows [n * R, H_q, T, S]
+        for T queries, or a key-similarity [n * R, H_kv, S, S])."""
+        needs, L = self.policy.scorer.needs, len(self.caches)
+        if not needs.stacks_layers or needs.cross_layer or stack_bytes <= 0:
+            return [range(layer, layer + 1) for layer in range(L)]
+        R, H, S = self.pos.shape[1:]
+        queries = 1
+        if needs.observes and not needs.observes_last_only:
+            queries = int((self.seen - self.since).max())
+        elif needs.query_window and rings is not None:
+            queries = min(needs.query_window, rings.held(self.cs[0].req_id))
+        heads_q = rings.heads() if rings is not None else H
+        per_layer = R * S * 4 * max(heads_q * max(queries, 1), H * S)
+        most = max(1, min(L, stack_bytes // per_layer))
+        runs, start = [], 0
+        for layer in range(1, L + 1):
+            if layer == L or layer - start == most or scalings[layer] != scalings[start]:
+                runs.append(range(start, layer))
+                start = layer
+        return runs
+
+    def read(self, layers: range, scaling: float, rings: Rings | None) -> LayerView:
+        """Layers ``layers`` of every request as the scorer reads them (``engine.LayerReader``),
+        [n * R] rows, layer-major, their attention rows observed."""
         policy, needs = self.policy, self.policy.scorer.needs
-        keys, values = gather_rows(self.layout, self.caches[layer], self.table, self.live)  # [R, H, S, D]
+        n = len(layers)
+        R, H, S = self.pos.shape[1:]
+        if n == 1:
+            keys, values = gather_rows(self.layout, self.caches[layers.start], self.table, self.live)  # [R, H, S, D]
+        else:  # each layer's rows gathered into its part of the stack
+            first = self.layout.key_value(self.caches[0])
+            keys, values = (torch.empty(n * R, H, S, t.shape[-1], dtype=t.dtype) for t in first)  # [n * R, H, S, D]
+            for i, layer in enumerate(layers):
+                gather_rows(self.layout, self.caches[layer], self.table, self.live,
+                            out=(keys[i * R:(i + 1) * R], values[i * R:(i + 1) * R]))
         req_ids = [c.req_id for c in self.cs]
+        seen, lengths = self.seen.repeat(n), self.lengths.repeat(n)  # [n * R]
         recent = recent_pos = None
         if needs.query_window:
-            n = min(needs.query_window, rings.held(req_ids[0]))
-            recent = rings.rows(layer, req_ids, n).permute(0, 2, 1, 3)  # [R, H_q, n, D]
-            recent_pos = self.seen[:, None] - n + torch.arange(n)[None]  # [R, n]
-        R, H, S = self.pos.shape[1:]
-        meta = {"pos": self.pos[layer], **{name: t[layer] for name, t in self.fields.items()}}
-        view = LayerView(keys, values, self.lengths[:, None].expand(R, H), meta, {}, recent, recent_pos, scaling, {},
-                         layer, S, prompt_len=self.kept_prompt)
+            held = min(needs.query_window, rings.held(req_ids[0]))
+            recent = stack([rings.rows(layer, req_ids, held) for layer in layers]).permute(0, 2, 1, 3)  # [nR, H_q, w, D]
+            recent_pos = seen[:, None] - held + torch.arange(held)[None]  # [n * R, w]
+        meta = {"pos": self.pos[layers.start:layers.stop].view(n * R, H, S),
+                **{name: t[layers.start:layers.stop].view(n * R, H, S) for name, t in self.fields.items()}}
+        kept_prompt = None if self.kept_prompt is None else self.kept_prompt.repeat(n)
+        view = LayerView(keys, values, lengths[:, None].expand(n * R, H), meta, {}, recent, recent_pos, scaling, {},
+                         layers.start, S, prompt_len=kept_prompt)
         if needs.observes_last_only:
-            observe_last(policy.scorer, view, rings.rows(layer, req_ids, 1)[:, 0], self.seen)
+            last = stack([rings.rows(layer, req_ids, 1)[:, 0] for layer in layers])  # [n * R, H_q, D]
+            observe_last(policy.scorer, view, last, seen)
         elif needs.observes:  # rows that replay alike: each one's queries since its last compaction
-            n = int(self.seen[0] - self.since[0])  # the same in every row (replay_shape)
-            if any(rings.held(r) < n for r in req_ids):
-                raise RuntimeError(f"kvsieve: {policy.scorer.name} replays {n} queries, more than were recorded")
-            queries = rings.rows(layer, req_ids, n)  # [R, n, H_q, D]
-            observe_since(policy.scorer, view, queries, self.seen, self.since, self.prompts)
+            count = int(self.seen[0] - self.since[0])  # the same in every row (replay_shape)
+            if any(rings.held(r) < count for r in req_ids):
+                raise RuntimeError(f"kvsieve: {policy.scorer.name} replays {count} queries, more than were recorded")
+            queries = stack([rings.rows(layer, req_ids, count) for layer in layers])  # [n * R, count, H_q, D]
+            observe_since(policy.scorer, view, queries, seen, self.since.repeat(n), self.prompts.repeat(n))
         return view
 
-    def compress(self, scalings: list[float], rings: Rings | None) -> None:
+    def compress(self, scalings: list[float], rings: Rings | None, stack_bytes: int = 0) -> None:
         """Every layer's keep-set, then every layer's kept slots written into the requests' first
         slots (nothing is written when scoring fails; the kept keys and values of every layer are
         held meanwhile, at most the requests' kept KV), then the states updated.  A cross-layer
@@ -290,21 +351,25 @@ class _Batch:
         policy, needs = self.policy, self.policy.scorer.needs
         # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
         budget = policy.budget if needs.uses_budget else self.keep
-        views = [self.read(layer, scalings[layer], rings) for layer in range(len(self.caches))] \
+        views = [self.read(range(layer, layer + 1), scalings[layer], rings) for layer in range(len(self.caches))] \
             if needs.cross_layer else None
         scores = None if views is None else cross_layer_scores(
             views, policy, self.seen, self.prompt_len if self.pinned is None else self.pinned)
+        R, H, S = self.pos.shape[1:]
         chosen, new_pos, new_fields = [], [], {name: [] for name in self.fields}
-        for layer in range(len(self.caches)):  # every layer scored before any is written
-            view = self.read(layer, scalings[layer], rings) if views is None else views[layer]
-            kept = keep_set(view, policy, budget, self.seen, self.prompt_len, self.pinned, scores)  # [R, H, keep]
+        for layers in self.stacks(scalings, rings, stack_bytes):  # every layer scored before any is written
+            n = len(layers)
+            view = self.read(layers, scalings[layers.start], rings) if views is None else views[layers.start]
+            rows = [None if t is None else t.repeat(n) for t in (self.seen, self.prompt_len, self.pinned)]
+            kept = keep_set(view, policy, budget, *rows, scores)  # [n * R, H, keep]
             if kept.shape[-1] != self.keep:
                 raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned "
                                    f"{self.keep}")
-            chosen.append((take(view.keys, kept), take(view.values, kept)))  # [R, H, keep, D] each
-            new_pos.append(self.pos[layer].gather(-1, kept))
+            keys, values = (take(t, kept).view(n, R, H, self.keep, -1) for t in (view.keys, view.values))
+            chosen += zip(keys.unbind(0), values.unbind(0))  # [R, H, keep, D] each, per layer
+            new_pos += self.pos[layers.start:layers.stop].view(n * R, H, S).gather(-1, kept).view(n, R, H, -1).unbind(0)
             for name in self.fields:  # a scorer may have replaced a field in the view's dict (AMS's credit)
-                new_fields[name].append(view.meta[name].gather(-1, kept))
+                new_fields[name] += view.meta[name].gather(-1, kept).view(n, R, H, -1).unbind(0)
         try:
             for cache, (keys, values) in zip(self.caches, chosen):
                 write_rows(self.layout, cache, self.table, keys, values)
@@ -316,6 +381,11 @@ class _Batch:
             state.pos = pos[r]
             state.fields = {name: t[r] for name, t in fields.items()}
             state.next_pos = c.logical_len
+
+
+def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors [R, ...] of consecutive layers as one [n * R, ...], layer-major (one alone as it is)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
