@@ -165,7 +165,8 @@ class PartlyWritten(RuntimeError):
 
 
 def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
-                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None) -> dict[str, str]:
+                      requests: list[tuple[RequestState, Compaction]], rings: Rings | None,
+                      before_scoring: Callable[[list[str]], None] | None = None) -> dict[str, str]:
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather, one scoring, one write for all of
@@ -182,7 +183,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read
     through ``layout``; scalings: each layer's softmax scale; requests: each request's positions
     and fields (updated to its kept slots) and its compaction; rings: the requests' recorded
-    queries (None when the scorer reads none)."""
+    queries (None when the scorer reads none); before_scoring: called with each batch's request ids,
+    in its row order, before the batch is scored (the worker selects their rows of SkipKV's
+    sentence table, ``sentences.RequestSentences.select``)."""
     needs = policy.scorer.needs
     reads_queries = bool(needs.query_window or needs.observes)
     groups: dict[tuple, list[tuple[RequestState, Compaction]]] = {}
@@ -202,6 +205,8 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
         while tries:
             batch = tries.pop()
             try:
+                if before_scoring is not None:
+                    before_scoring([c.req_id for _, c in batch])
                 _Batch(policy, layout, caches, batch).compress(scalings, rings)
             except Exception as err:  # noqa: BLE001: any failure is one request's, never the server's
                 if len(batch) > 1 and not isinstance(err, PartlyWritten):
