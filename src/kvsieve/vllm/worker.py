@@ -17,7 +17,10 @@ Per step (docs/vllm-design.md, "The worker"):
 2. vLLM's ``_prepare_inputs`` computes positions, slot mapping and sequence lengths from the logical
    ``num_computed_tokens``; ``_prepare_inputs`` here then subtracts each request's offset from the
    sequence lengths and recomputes the slot mapping from ``position - offset``, leaving the
-   positions (RoPE) and the input token ids as vLLM made them.
+   positions (RoPE) and the input token ids as vLLM made them;
+3. ``_model_forward``: for SkipKV (``Needs.sentences``), the forward's output, the final norm's,
+   fed with each request's token ids and positions to the sentence table of the live requests
+   (``sentences.RequestSentences``), whose rows a compaction selects per batch.
 """
 
 from __future__ import annotations
@@ -294,7 +297,6 @@ class SieveCPUModelRunner(CPUModelRunner):
                 "seq_lens": self.seq_lens[:num_reqs].tolist(), "slots": bt.slot_mapping.gpu[:total].tolist(),
                 "rows": [bt.block_table.np[i, :bt.num_blocks_per_row[i]].tolist() for i in range(num_reqs)]})
         return result
-
 
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
         """vLLM's forward; its output, the final norm's (the hidden states vLLM's logits are
