@@ -53,6 +53,10 @@ METHODS = {
     "fastcaote:h2o@b32": {"options": {"prefill_block": 32}},
     "caote:tova@whole": {"options": {"prefill_block": False}},
     "fastcaote:h2o@whole": {"options": {"prefill_block": False}},
+    # SkipKV's sentences fed by vLLM's worker (its default tau 0.95); @tau0.5: more sentences in P, Eq. 3's penalty
+    # on more tokens
+    "skipkv": {},
+    "skipkv@tau0.5": {"options": {"tau": 0.5}},
 }
 BLOCK = 32
 

@@ -4,6 +4,7 @@
   method gives plain vLLM's tokens (the recorder, the settings and the worker's path in place);
 * two engines: at a budget below the length, vLLM + kvsieve gives kvsieve's own engine's tokens
   (``scripts/vllm_two_engines.py``, run small);
+* SkipKV's sentences, fed by the worker, against kvsieve's engine (default);
 * a compaction right after a preemption's recompute.
 
 Needs the vLLM environment; skipped where vLLM is not installed:
@@ -109,6 +110,20 @@ def test_two_engines_agree_beyond_the_first_compaction(tmp_path):
     assert all(result["methods"]["streaming"]["identical"][i] for i in agree)
 
 
+def test_skipkvs_sentences_fed_by_vllms_worker_give_kvsieves_tokens(tmp_path):
+    """SkipKV on 8 GSM8K prompts at budget 64 every 16 steps, tau 0.5 so that Eq. 3 flags sentences:
+    the worker's sentence table, fed from vLLM's forwards, gives kvsieve's engine's tokens on every
+    row where the two engines' full caches agree, past the first compaction.  In kvsieve's engine
+    Eq. 6's penalty changes the tokens of rows 5 and 7 here (against tau 1, where no sentence is
+    flagged: results/skipkv-penalty-rows.json), so a worker that fed no sentence would part there."""
+    result = run_script("vllm_two_engines", tmp_path, "--methods", "skipkv@tau0.5", "--prompts", "8",
+                        "--new-tokens", "64", "--interval", "16")
+    row = result["methods"]["skipkv@tau0.5"]
+    agree = [i for i, same in enumerate(result["baseline_full"]["identical"]) if same]
+    assert agree and row["compactions"] > 0 and row["settings"]["tau"] == 0.5
+    assert all(row["identical"][i] and row["first_compaction"][i] is not None for i in agree), row
+
+
 @pytest.mark.slow
 def test_caotes_block_wise_prefill_at_vllms_chunks_is_kvsieves(tmp_path):
     """CAOTE over TOVA with blocks of 32 (vLLM's prefill chunks, engine_kwargs' threshold) on 3
@@ -123,15 +138,17 @@ def test_caotes_block_wise_prefill_at_vllms_chunks_is_kvsieves(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compaction_right_after_a_preemptions_recompute():
+@pytest.mark.parametrize("method", ["tova", "skipkv"])
+def test_a_compaction_right_after_a_preemptions_recompute(method):
     """A pool too small for every request even compressed: vLLM preempts some; each recomputes its
     prompt and outputs at full length and is compressed at once by TOVA (which scores with the
-    recomputed request's recorded last query), then finishes with every token."""
+    recomputed request's recorded last query) or SkipKV (whose sentences the recompute feeds anew),
+    then finishes with every token."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir(), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=20 * BLOCK,
               kv_cache_memory_bytes=21 * 30 * 3 * 64 * 2 * 4 * BLOCK, seed=0,
-              **engine_kwargs("tova", budget=64, interval=16))
+              **engine_kwargs(method, budget=64, interval=16))
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool

@@ -41,7 +41,7 @@ def test_caote_is_served_with_its_prompt_read_in_its_blocks(method):
     ({"method": "lagkv", "options": {"prefill_block": 16}}, "count rule over the prompt's blocks"),
     ({"method": "lagkv", "budget": 64, "horizon": 600}, "fits no setting of the paper's grid"),
     ({"method": "lagkv", "horizon": 0}, "horizon must be an integer >= 1"),
-    ({"method": "skipkv", "budget": 64}, "per-token host hook"),
+    ({"method": "skipkv", "budget": 64, "options": {"steering": "steer.pt"}}, "adaptive steering"),
     ({"method": "snapkv", "budget": 64, "record_queries": -1}, "record_queries"),
     ({"method": "snapkv", "budget": 64, "record_queries": "8"}, "record_queries must be an integer >= 0, got '8'"),
     ({"method": "snapkv", "budget": 64, "options": ["window", 8]}, "options must be a mapping"),

@@ -72,7 +72,12 @@ class Needs:
     query_window : int
         Recent post-RoPE queries per layer the engine keeps for ``score``.
     per_token_hook : bool
-        ``attach()`` yields a per-token host callback (SkipKV's sentences): kvsieve's loop only.
+        ``attach()`` yields a per-token host callback (SkipKV's sentences).
+    sentences : tuple[str, ...]
+        The token texts that end a sentence (SkipKV's delimiter set D) for a scorer that reads a
+        ``methods.skipkv.SentenceTable`` of each token's sentence and each sentence's last-layer
+        hidden states: ``attach`` feeds it in kvsieve's loop; a caller that feeds one itself hands
+        it over with the scorer's ``read_sentences`` (vLLM's worker).  Empty for the rest.
     slot_order_free : bool
         Scores are per token, blind to slot neighbours (no pooling, no partitions): the engine may
         evict in place (``SieveLayer.evict``), moving the newest tokens into freed slots.
@@ -109,6 +114,7 @@ class Needs:
     observes_steps: bool = False
     query_window: int = 0
     per_token_hook: bool = False
+    sentences: tuple[str, ...] = ()
     slot_order_free: bool = False
     aligned_heads: bool = False
     whole_layers: int = 0

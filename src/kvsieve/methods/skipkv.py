@@ -26,7 +26,8 @@ d floats per sentence and row, and reads the device once each time its capacity 
 
 ``SkipKV.attach`` (entered by ``kvsieve.generate``) turns D into token ids and reads the final
 norm's output (the last-layer hidden states) with a read-only forward hook scoped to the call: no
-second forward pass, nothing global.  (``output_hidden_states=-1`` would need the engine's model
+second forward pass, nothing global.  Inside vLLM the worker feeds one table for all its requests
+and hands it over with ``read_sentences`` (``kvsieve.vllm.sentences``).  (``output_hidden_states=-1`` would need the engine's model
 call to change and makes transformers keep capture hooks on every decoder layer for the model's
 lifetime.)  If a wrapper does not forward ``attach``, P stays empty and a warning says so.
 Sentence token sets: ``_sentences.py`` (shared with adaptive steering, ``kvsieve.steering``);
@@ -54,20 +55,31 @@ from ._sentences import DELIMITERS, vocab_ids
 class SentenceTable:
     """Sentences in generation space per original row r: ``start`` [R, S] (first position,
     DEAD_POS when unopened), ``total`` [R, S, d] and ``count`` [R, S] (hidden-state sums), ``open``
-    [R] (the sentence in progress).  Grows by doubling; one host read per growth check."""
+    [R] (the sentence in progress).  Grows by doubling; one host read per growth check.
+
+    ``rows`` are the rows ``sentence_of`` and ``penalty`` read: the last ``feed``'s, or those a
+    caller that feeds rows of its own ``select``s (kvsieve's vLLM worker: a row per live request,
+    ``add_rows`` and ``clear`` as requests come and go, a compacted batch's rows selected)."""
 
     def __init__(self, delimiter_ids: torch.Tensor, capacity: int = 256):
         self.delimiter_ids, self.capacity = delimiter_ids, capacity
         self.open = self.start = self.total = self.count = self.rows = None
+        self.num_rows = 0  # rows allocated at the first feed: at least that feed's batch
         self.bound = 0  # host-side upper bound on open.max()
         self.version = 0
         self._lam: tuple[tuple, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, tokenizer, delimiters, device=None) -> "SentenceTable":
+        """An empty table whose sentences end at ``tokenizer``'s ids of the texts ``delimiters`` (D)."""
+        return cls(vocab_ids(tokenizer, delimiters).to(device))  # moved once, not per forward
 
     def feed(self, token_ids: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor):
         """token_ids, query_pos [B, T] (DEAD_POS on padding); rows [B]; hidden [B, T, d] last layer."""
         B, T, d = hidden.shape
         if self.open is None:
-            R, dev = rows.numel(), hidden.device
+            R, dev = max(self.num_rows, rows.numel()), hidden.device
+            self.num_rows = R
             self.open = torch.zeros(R, dtype=torch.long, device=dev)
             self.start = torch.full((R, self.capacity), DEAD_POS, dtype=torch.long, device=dev)
             self.count, self.total = torch.zeros(R, self.capacity, device=dev), torch.zeros(R, self.capacity, d, device=dev)
@@ -92,6 +104,27 @@ class SentenceTable:
                 self.count, self.total = F.pad(self.count, (0, extra)), F.pad(self.total, (0, 0, 0, extra))
                 self.capacity += extra
         self.bound += T
+
+    def add_rows(self, n: int) -> None:
+        """At least ``n`` rows, the new ones empty (the first feed allocates them)."""
+        extra = n - self.num_rows
+        if extra <= 0:
+            return
+        if self.open is not None:
+            self.open = F.pad(self.open, (0, extra))
+            self.start = F.pad(self.start, (0, 0, 0, extra), value=DEAD_POS)
+            self.count, self.total = F.pad(self.count, (0, 0, 0, extra)), F.pad(self.total, (0, 0, 0, 0, 0, extra))
+        self.num_rows = n
+
+    def clear(self, row: int) -> None:
+        """Row ``row`` empty again, no sentence seen (its request left; the row serves another)."""
+        if self.open is not None:
+            self.open[row], self.start[row], self.count[row], self.total[row] = 0, DEAD_POS, 0, 0
+            self.version += 1
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Read the rows ``rows`` [B] next (``sentence_of``, ``penalty``), in that order."""
+        self.rows, self.version = rows, self.version + 1
 
     def sentence_of(self, pos: torch.Tensor) -> torch.Tensor:
         """Sentence id of each position [B, H, C] of the current rows (meaningless on dead slots)."""
@@ -184,12 +217,12 @@ class SkipKV(Scorer):
         check_threshold(self.partner_threshold, "skipkv partner_threshold")
         self.sentences: SentenceTable | None = None
         self.defaults = replace(self.defaults, recent=self.window)  # the window's own tokens are kept
-        self.needs = replace(self.needs, query_window=self.window)
+        self.needs = replace(self.needs, query_window=self.window, sentences=tuple(self.delimiters))
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):
         """For one generate call: sentence table, and a read of the final norm's output."""
-        self.sentences = SentenceTable(vocab_ids(tokenizer, self.delimiters).to(model.device))  # moved once, not per forward
+        self.sentences = SentenceTable.of(tokenizer, self.delimiters, model.device)
         pending = []
 
         def on_tokens(token_ids, query_pos, rows):
@@ -203,6 +236,11 @@ class SkipKV(Scorer):
             yield HostHooks(on_tokens=on_tokens)
         finally:
             handle.remove()
+
+    def read_sentences(self, table: SentenceTable) -> None:
+        """Score with ``table`` from now on, fed and selected by the caller instead of ``attach``
+        (kvsieve's vLLM worker: one table for its requests, a compacted batch's rows selected)."""
+        self.sentences = table
 
     def importance(self, layer, live):
         """[B, H_kv, cap] I_alpha (Eq. 4, Sec. 4.1): GQA max over the group, softmax, window mean."""

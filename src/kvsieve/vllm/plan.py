@@ -48,17 +48,27 @@ from ..checks import SettingError, check_at_least, check_value, did_you_mean
 # the gathered values, where kvsieve's engine takes it from the attention pass
 # (``step_results["value_mix"]``, the same quantity).
 #
+# SkipKV's sentences (``Needs.sentences``), which kvsieve's loop feeds through a per-token host hook
+# (``SkipKV.attach``), are fed by the worker from every forward: each request's token ids, positions
+# and the model's output, the final norm's (``sentences.RequestSentences``); before a batch is
+# scored its requests' rows are selected (``store.compress_requests``' ``before_scoring``).
+#
 # Not served, and why (``unserved`` gives the same reason for any method and settings):
 #
-# * skipkv: a per-token host hook (sentence boundaries from the token text), kvsieve's loop only;
+# * a per-token host hook other than SkipKV's sentence table: kvsieve's loop only;
+# * SkipKV's adaptive steering (``kvsieve.steering``, ``STEERING``): it edits a decoder layer's input
+#   inside the model's forward;
 # * knorm and lagkv-l2 with their default skip_layers=2: two whole layers cannot share a block
 #   table with compressed ones; served with skip_layers=0;
 # * LagKV's chunked prefill (prefill_block, Sec. 3.4): its count rule over the prompt's blocks is
 #   not served;
 # * the pyramid and adakv allocators (per-layer and per-head counts): not offered.
 SERVED = ("full", "streaming", "knorm", "keydiff", "random", "expected", "triattention", "snapkv", "rkv", "tova",
-          "h2o", "lazy", "raas", "lagkv", "localkv", "lagkv-l2")
+          "h2o", "lazy", "raas", "lagkv", "localkv", "lagkv-l2", "skipkv")
 SERVED_WRAPPERS = ("ams", "ams-released", "caote", "fastcaote")
+STEERING = ("SkipKV's adaptive steering (Sec. 4.2) is not served inside vLLM: it adds a vector to a decoder layer's "
+            "input inside the model's forward, which kvsieve leaves as vLLM runs it; steer with kvsieve generate or "
+            "kvsieve eval (--steering)")
 
 # Per-request settings: flat keys of a request's ``SamplingParams.extra_args`` (which the OpenAI
 # server fills from the request body's ``vllm_xargs``, whose values are flat), each the
@@ -165,7 +175,7 @@ def unserved(policy) -> str | None:
     if needs.whole_layers:
         return f"it keeps its first {needs.whole_layers} layers whole, which cannot share one block table with " \
                "compressed layers (set skip_layers=0)"
-    if needs.per_token_hook:
+    if needs.per_token_hook and not needs.sentences:  # SkipKV's sentences: the worker feeds them
         return "it needs a per-token host hook (kvsieve's own decode loop only)"
     if policy.prefill_block_size() is not None and not needs.uses_budget:
         return "its own count rule over the prompt's blocks (prefill_block) is not served; set prefill_block=false " \
@@ -220,6 +230,8 @@ class SieveSettings:
             raise ValueError(f"kvsieve: horizon must be an integer >= 1, got {settings.horizon!r}")
         if not isinstance(settings.options, dict):
             raise ValueError(f"kvsieve: options must be a mapping of the method's settings, got {settings.options!r}")
+        if "steering" in settings.options:
+            raise ValueError(f"kvsieve: {STEERING}")
         try:
             policy = settings.policy
         except (TypeError, ValueError) as err:

@@ -14,7 +14,7 @@ for byte:
 Only the full blocks of that prefix are cached and hit (``shared_tokens``); blocks after it, which
 compactions rewrite, are never cached, so a compacted block is never shared.  A method whose
 prompt competes with the output keeps no such prefix: refused with prefix caching on
-(``uncacheable``), as is a scorer that needs queries a cache hit never computes.
+(``uncacheable``), as is a scorer that needs queries or hidden states a cache hit never computes.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def uncacheable(policy, method: str) -> str | None:
                 "that prefix caching shares: set protect_prompt=true (the prompt kept outside the budget), or turn "
                 "prefix caching off (--no-enable-prefix-caching)")
     needs = policy.scorer.needs
+    if needs.sentences:
+        return (f"{method} reads every token's last hidden state (SkipKV's sentences), which a prefix-cache hit never "
+                "computes: turn prefix caching off (--no-enable-prefix-caching)")
     if needs.observes and not needs.observes_last_only:
         return (f"{method} replays the attention of every query since the prompt, and a prefix-cache hit computes "
                 "none of the cached prompt's queries: turn prefix caching off (--no-enable-prefix-caching)")

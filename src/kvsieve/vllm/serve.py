@@ -25,7 +25,7 @@ import shlex
 import sys
 from typing import Any
 
-from .plan import SieveSettings
+from .plan import STEERING, SieveSettings
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 # vLLM flags this command sets itself: given again, the last would win and silently undo kvsieve.
@@ -50,9 +50,12 @@ def settings(method: str, budget: int | None, more: dict[str, Any]) -> dict[str,
 
 
 def check_passthrough(vllm_args: list[str]) -> None:
-    """``ValueError`` in one line for a vLLM option among ``vllm_args`` that this command sets."""
+    """``ValueError`` in one line for a vLLM option among ``vllm_args`` that this command sets, or for
+    ``kvsieve generate``'s ``--steering`` (``plan.STEERING``)."""
     for arg in vllm_args:
         flag = arg.split("=", 1)[0]
+        if flag in ("--steering", "--steering-set"):
+            raise ValueError(f"{flag}: {STEERING}")
         if flag in OWNED_FLAGS:
             raise ValueError(f"kvsieve serve sets {flag} itself; drop it (the model is the first argument; "
                              "kvsieve's settings: --method, --budget, --sinks, --interval, --set key=value)")

@@ -183,13 +183,14 @@ class PartlyWritten(RuntimeError):
 
 def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
                       requests: list[tuple[RequestState, Compaction]], rings: Rings | None,
-                      stack_bytes: int = STACK_BYTES) -> dict[str, str]:
+                      stack_bytes: int = STACK_BYTES,
+                      before_scoring: Callable[[list[str]], None] | None = None) -> dict[str, str]:
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather and one write for all of them, and one
     scoring for all of them and, where the scorer allows, for several layers: ``_Batch.stacks``
-    under ``stack_bytes``, 0 for one layer at a time); a replaying scorer's requests also replay as many queries, none of them a prompt's
-    (``replay_shape``), and a scorer whose rows read each other (``Needs.rows_coupled``: AMS's
+    under ``stack_bytes``, 0 for one layer at a time); a replaying scorer's requests also replay
+    as many queries, none of them a prompt's (``replay_shape``), and a scorer whose rows read each other (``Needs.rows_coupled``: AMS's
     batch segmentation) has its requests compressed one at a time.
 
     One request must not fail the others (a server serves them all): a batch scores every layer
@@ -201,7 +202,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read
     through ``layout``; scalings: each layer's softmax scale; requests: each request's positions
     and fields (updated to its kept slots) and its compaction; rings: the requests' recorded
-    queries (None when the scorer reads none)."""
+    queries (None when the scorer reads none); before_scoring: called with each batch's request ids,
+    in its row order, before the batch is scored (the worker selects their rows of SkipKV's
+    sentence table, ``sentences.RequestSentences.select``)."""
     needs = policy.scorer.needs
     reads_queries = bool(needs.query_window or needs.observes)
     groups: dict[tuple, list[tuple[RequestState, Compaction]]] = {}
@@ -221,6 +224,8 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
         while tries:
             batch = tries.pop()
             try:
+                if before_scoring is not None:
+                    before_scoring([c.req_id for _, c in batch])
                 _Batch(policy, layout, caches, batch).compress(scalings, rings, stack_bytes)
             except Exception as err:  # noqa: BLE001: any failure is one request's, never the server's
                 if len(batch) > 1 and not isinstance(err, PartlyWritten):

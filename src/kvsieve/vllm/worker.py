@@ -17,7 +17,10 @@ Per step (docs/vllm-design.md, "The worker"):
 2. vLLM's ``_prepare_inputs`` computes positions, slot mapping and sequence lengths from the logical
    ``num_computed_tokens``; ``_prepare_inputs`` here then subtracts each request's offset from the
    sequence lengths and recomputes the slot mapping from ``position - offset``, leaving the
-   positions (RoPE) and the input token ids as vLLM made them.
+   positions (RoPE) and the input token ids as vLLM made them;
+3. ``_model_forward``: for SkipKV (``Needs.sentences``), the forward's output, the final norm's,
+   fed with each request's token ids and positions to the sentence table of the live requests
+   (``sentences.RequestSentences``), whose rows a compaction selects per batch.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .paged import CpuLayout
 from .bounds import held_tokens
 from .plan import Compaction, SieveSettings, settings_of
 from .preflight import check_stats
+from .sentences import RequestSentences, sentence_reader
 from .store import RequestState, compress_requests
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
@@ -76,6 +80,35 @@ class SieveCPUModelRunner(CPUModelRunner):
         self.sieve_stats = WorkerCounts()
         self.sieve_failed: dict[str, str] = {}  # req_id -> why this step could not compress it
         self.sieve_logged = time.monotonic()
+        # SkipKV's sentence table of the live requests, fed from every forward (``_model_forward``)
+        self.sieve_sentences = self._sieve_sentence_table()
+        self.sieve_step: tuple[list[str], list[int]] | None = None  # this step's requests and query_start_loc
+        self._sieve_ready(self.sieve_policy)
+
+    def _sieve_sentence_table(self) -> RequestSentences | None:
+        """For a scorer that reads sentences (``Needs.sentences``: SkipKV), an empty table whose
+        sentences end at the model tokenizer's ids of its delimiter texts; None for the rest."""
+        scorer = self.sieve_policy.scorer
+        if scorer is None or not scorer.needs.sentences:
+            return None
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        from ..methods.skipkv import SentenceTable
+
+        tokenizer = cached_tokenizer_from_config(self.model_config)
+        if tokenizer is None:
+            raise ValueError(f"kvsieve: {self.sieve.method} ends sentences at delimiter tokens, found by the "
+                             "model's tokenizer: drop --skip-tokenizer-init")
+        if self.model_config.enable_prompt_embeds:
+            raise ValueError(f"kvsieve: {self.sieve.method} reads each token's id, which prompt embeddings do not "
+                             "have: drop --enable-prompt-embeds")
+        return RequestSentences(SentenceTable.of(tokenizer, scorer.needs.sentences))
+
+    def _sieve_ready(self, policy: Policy) -> Policy:
+        """``policy`` with its scorer reading this worker's sentence table, if it reads one."""
+        if self.sieve_sentences is not None:
+            sentence_reader(policy.scorer).read_sentences(self.sieve_sentences.table)
+        return policy
 
     # ------------------------------------------------------------------ KV access
     def get_kv_cache_spec(self) -> dict:
@@ -136,6 +169,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         for req_id in gone:
             self.sieve_requests.pop(req_id, None)
             self.sieve_request_policies.pop(req_id, None)
+            if self.sieve_sentences is not None:  # a resumed request recomputes from position 0: fed anew
+                self.sieve_sentences.forget(req_id)
             if self.sieve_recorder is not None:
                 self.sieve_recorder.forget(req_id)
 
@@ -155,7 +190,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         if not c.overrides:
             return self.sieve_policy
         if c.req_id not in self.sieve_request_policies:
-            self.sieve_request_policies[c.req_id] = self.for_heads(self.sieve.for_request(c.overrides).policy)
+            self.sieve_request_policies[c.req_id] = self._sieve_ready(
+                self.for_heads(self.sieve.for_request(c.overrides).policy))
         return self.sieve_request_policies[c.req_id]
 
     def _sieve_compact(self, compactions: list[Compaction]) -> None:
@@ -174,7 +210,9 @@ class SieveCPUModelRunner(CPUModelRunner):
         context = self.compilation_config.static_forward_context
         scalings = [float(context[n].impl.scale) for n in names]
         for policy, requests in by_policy.values():
-            failed = compress_requests(policy, self.sieve_layout, caches, scalings, requests, self.sieve_recorder)
+            select = None if self.sieve_sentences is None else self.sieve_sentences.select  # a batch's table rows
+            failed = compress_requests(policy, self.sieve_layout, caches, scalings, requests, self.sieve_recorder,
+                                       before_scoring=select)
             for req_id, why in failed.items():  # the scheduler ends them after this step (SieveRunnerOutput)
                 logger.warning("kvsieve: request %s not compressed, ending it: %s", req_id, why)
             self.sieve_failed.update(failed)
@@ -240,6 +278,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         if self.sieve_recorder is not None:
             qsl = self.query_start_loc.np
             self.sieve_recorder.plan(list(req_ids), qsl[:num_reqs].tolist(), qsl[1:num_reqs + 1].tolist())
+        if self.sieve_sentences is not None:
+            self.sieve_step = (list(req_ids), self.query_start_loc.np[:num_reqs + 1].tolist())
         if self.sieve_offsets:
             offsets = torch.tensor([self.sieve_offsets.get(r, 0) for r in req_ids], dtype=torch.int64)
             if bool(offsets.any()):
@@ -257,6 +297,21 @@ class SieveCPUModelRunner(CPUModelRunner):
                 "seq_lens": self.seq_lens[:num_reqs].tolist(), "slots": bt.slot_mapping.gpu[:total].tolist(),
                 "rows": [bt.block_table.np[i, :bt.num_blocks_per_row[i]].tolist() for i in range(num_reqs)]})
         return result
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        """vLLM's forward; its output, the final norm's (the hidden states vLLM's logits are
+        computed from), fed with this step's token ids and positions to SkipKV's sentence table
+        (``sentences.RequestSentences``): what kvsieve's engine reads with a forward hook on the
+        final norm.  Read here, outside the model, it holds compiled or eager alike."""
+        output = super()._model_forward(input_ids, positions, *args, **kwargs)
+        if self.sieve_sentences is not None and self.sieve_step is not None:
+            (req_ids, starts), self.sieve_step = self.sieve_step, None
+            total = starts[-1]
+            if input_ids is None or not isinstance(output, torch.Tensor) or output.shape[0] < total:
+                raise RuntimeError(f"kvsieve: {self.sieve.method} reads each token's id and last hidden state, which "
+                                   "this model's forward does not give (input embeddings or auxiliary outputs)")
+            self.sieve_sentences.feed(req_ids, starts, input_ids[:total], self.positions[:total], output[:total])
+        return output
 
 
 class SieveCPUWorker(CPUWorker):
