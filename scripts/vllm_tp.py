@@ -33,7 +33,7 @@ from vllm_two_engines import METHODS, chosen, compare, gsm8k_prompts, save, vllm
 
 MODEL = "qwen2.5-coder-0.5b"  # 14 heads / 2 kv heads: divides by 2 (SmolLM2's 9 / 3 do not)
 # the two-engine script's settings, and TOVA scoring each kv head alone (its default averages a
-# layer's kv heads, which plan.unsplit refuses at TP > 1)
+# layer's kv heads, which the workers combine: store.heads_combiner)
 SETTINGS = {**METHODS, "tova-group": {"method": "tova", "options": {"heads": "group"}}}
 
 

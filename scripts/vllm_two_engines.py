@@ -66,8 +66,11 @@ PROMPT = "Question: {question}\nAnswer: Let's think step by step."
 
 def chosen(ap: argparse.ArgumentParser, names: str, table: dict[str, dict], stats: str | None) -> dict[str, dict]:
     """Each method of ``names`` (comma-separated) with its settings from ``table``, TriAttention's
-    with its statistics file ``stats``; ``ap.error`` for a name not there."""
-    table = {**table, **({"triattention": {"options": {"stats": stats}}} if stats else {})}
+    with its statistics file ``stats`` (its defaults, and ``triattention@per_layer``: every kv
+    head of a layer keeping the same tokens); ``ap.error`` for a name not there."""
+    if stats:
+        table = {**table, "triattention": {"options": {"stats": stats}},
+                 "triattention@per_layer": {"options": {"stats": stats, "pruning": "per_layer"}}}
     unknown = [m for m in names.split(",") if m not in table]
     if unknown:
         ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(table)} "

@@ -178,15 +178,18 @@ def test_heads_that_tensor_parallelism_does_not_divide(serve):
 
 
 def test_a_method_that_reads_across_kv_heads_cannot_run_split_over_tensor_parallel_workers(serve, monkeypatch):
-    """Each worker holds 1 of SmolLM2's 3 kv heads at -tp 3: TOVA's default layer mean over kv heads
-    would differ by worker; its per-group setting scores each kv head alone and passes."""
+    """Each worker holds 1 of SmolLM2's 3 kv heads at -tp 3: CAOTE's errors over TOVA's layer mean
+    cannot be rebuilt from the workers' parts; TOVA alone (its layer mean, combined by the workers)
+    and TOVA per group pass."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's binding: no core count checked
-    assert refused(serve, *TOVA, "-tp", "3") == (
-        "--tensor-parallel-size 3: tova cannot run split: its scores combine every kv head of a layer, which "
-        "tensor-parallel workers hold apart (TOVA: heads=group scores each kv head alone); serve it with "
+    assert refused(serve, "--method", "caote:tova", "--budget", "64", "-tp", "3") == (
+        "--tensor-parallel-size 3: caote:tova cannot run split: its scores combine every kv head of a layer in a "
+        "way tensor-parallel workers, which hold them apart, cannot rebuild from their parts (CAOTE's errors over "
+        "an aligned base: choose a base scored per kv head, e.g. tova with heads=group); serve it with "
         "--tensor-parallel-size 1")
-    code, _, argv = serve(*TOVA, "--set", "heads=group", "-tp", "3")
-    assert code == 0 and argv[argv.index("-tp") + 1] == "3"  # vLLM gets the command line as given
+    for extra in ((), ("--set", "heads=group")):
+        code, _, argv = serve(*TOVA, *extra, "-tp", "3")
+        assert code == 0 and argv[argv.index("-tp") + 1] == "3"  # vLLM gets the command line as given
 
 
 def test_pipeline_parallelism_is_refused_in_one_line(serve):

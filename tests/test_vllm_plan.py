@@ -238,17 +238,17 @@ def test_a_requests_settings_that_do_not_fit_the_server_are_refused_in_one_line(
 
 
 @pytest.mark.parametrize("method, options, split", [
-    ("tova", {}, False),  # heads="layer": a layer's kv heads averaged slot by slot
-    ("caote:tova", {"prefill_block": False}, False),  # the errors of every head of the layer summed
+    ("tova", {}, True),  # heads="layer": a layer's kv heads averaged slot by slot, the workers' parts combined
+    ("caote:tova", {"prefill_block": False}, False),  # the errors of every head from the combined weights
     ("tova", {"heads": "group"}, True),
     ("ams:tova", {}, True),  # AMS scores each kv head of an aligned base as its own row
     ("h2o", {}, True), ("lazy", {}, True), ("snapkv", {}, True), ("streaming", {}, True), ("expected", {}, True),
 ])
-def test_only_methods_whose_scores_are_each_kv_heads_own_run_split_over_tensor_parallel_workers(method, options,
-                                                                                                 split):
+def test_methods_run_split_over_tensor_parallel_workers_unless_their_kv_heads_cannot_be_combined(
+        method, options, split):
     from kvsieve.vllm.plan import unsplit
 
     why = unsplit(SieveSettings.from_config({"method": method, "budget": 128, "options": options}).policy)
     assert (why is None) == split
     if not split:
-        assert "combine every kv head of a layer" in why
+        assert "cannot rebuild from their parts" in why

@@ -7,6 +7,9 @@ decode step, each pass recording its queries and (for scorers that observe) hand
 its attention rows; the adapter sees only the KV and the ring of recorded queries, and rebuilds
 the observed state at compaction.  Plain torch, no vLLM: runs in the main environment."""
 
+import dataclasses
+import threading
+
 import pytest
 import torch
 
@@ -269,11 +272,15 @@ def _pool_requests(seed: int):
     return out
 
 
-def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int | None = None):
-    """Both compactions of every request, together or one by one: the pool and the states."""
+def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int | None = None, combine=None,
+                  failed: dict | None = None):
+    """Both compactions of every request, together or one by one: the pool and the states (the
+    requests' kv heads: those of their keys).  combine: ``compress_requests``'; failed: collects
+    the requests it could not compress."""
     from kvsieve.vllm.store import STACK_BYTES, HeldRings, compress_requests
 
-    caches = [torch.zeros(3 * 12, H, BLOCK, 2 * D) for _ in range(L)]
+    heads = requests[0][0].shape[1]
+    caches = [torch.zeros(3 * 12, heads, BLOCK, 2 * D) for _ in range(L)]
     states = [RequestState() for _ in requests]
     for (keys, values, _, blocks), (kv_len, _) in zip(requests, TOGETHER):
         for layer in range(L):
@@ -300,8 +307,10 @@ def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int 
             c.req_id: requests[r][2][:, c.logical_len - min(ring, c.logical_len):c.logical_len]
             for r, (_, c) in enumerate(items)})
         if together:
-            compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings,
-                              STACK_BYTES if stack_bytes is None else stack_bytes)
+            lost = compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings,
+                                     STACK_BYTES if stack_bytes is None else stack_bytes, combine=combine)
+            if failed is not None:
+                failed.update(lost)
         else:
             for state, c in items:
                 compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
@@ -339,6 +348,92 @@ def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path)
             for h in range(H):
                 kept = states_t[r].pos[layer, h]
                 assert torch.equal(k[h], keys[layer, h, kept]) and torch.equal(v[h], values[layer, h, kept])
+
+
+class _ThreadGather:
+    """vLLM's tensor-parallel all-gather between threads standing for workers: each worker's
+    [B, 1, S] part, side by side in rank order.  A worker that never comes fails the barrier
+    (a deadlock would fail the test, not hang it)."""
+
+    def __init__(self, workers: int):
+        self.parts = [None] * workers
+        self.barrier = threading.Barrier(workers, timeout=60)
+
+    def of(self, rank: int):
+        def all_gather(t):
+            self.parts[rank] = t
+            self.barrier.wait()
+            out = torch.cat(self.parts, dim=1)
+            self.barrier.wait()  # every worker has read the parts before any writes its next
+            return out
+        return all_gather
+
+
+def _split_run(config: dict, requests, poison: int | None = None):
+    """Both compactions of the three requests on two workers, each holding one of the H = 2 kv heads
+    (and its query heads), run side by side, their scores combined (``store.heads_combiner``);
+    ``poison``: a request whose queries on worker 1 are NaN.  Each worker's states and failures."""
+    from kvsieve.vllm.store import heads_combiner
+
+    settings = SieveSettings.from_config(config)
+    ring = settings.query_window(max_model_len=max(n for n, _ in TOGETHER) + EXTRA)
+    gather, out = _ThreadGather(2), [None, None]
+
+    def worker(rank: int):
+        policy = settings.policy
+        if hasattr(policy.scorer, "for_heads"):  # TriAttention: the statistics of its heads
+            policy = dataclasses.replace(policy, scorer=policy.scorer.for_heads(rank, 2))
+        part = []
+        for r, (keys, values, queries, blocks) in enumerate(requests):
+            q = queries[:, :, rank * HQ // 2:(rank + 1) * HQ // 2].clone()
+            if rank == 1 and r == poison:
+                q.fill_(float("nan"))
+            part.append((keys[:, rank:rank + 1], values[:, rank:rank + 1], q, blocks))
+        failed = {}
+        combine = heads_combiner(policy.scorer.needs.heads_combined_by, gather.of(rank))
+        out[rank] = (_compress_all(policy, ring, part, True, combine=combine, failed=failed)[1], failed)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None for o in out), "a worker failed"
+    return out
+
+
+@pytest.mark.parametrize("case", ["tova", "triattention-per-layer"])
+def test_workers_holding_a_layers_heads_apart_keep_what_one_worker_keeps(case, tmp_path):
+    """Tensor parallelism for a scorer that combines a layer's kv heads (TOVA's heads="layer" mean,
+    TriAttention's per_layer max): two workers, each holding one kv head, combine their scores and
+    keep, at both compactions, the very tokens one worker holding both heads keeps; scored each
+    alone, they would not.  A request whose scoring fails on one worker fails on both, and both
+    compress the others: no worker waits in a collective the other never makes."""
+    config = {"method": "tova", "budget": BUDGET}
+    if case != "tova":
+        config = {"method": "triattention", "budget": BUDGET,
+                  "options": {"stats": _tri_stats(tmp_path), "pruning": "per_layer"}}
+    requests = _pool_requests(7)
+    settings = SieveSettings.from_config(config)
+    ring = settings.query_window(max_model_len=max(n for n, _ in TOGETHER) + EXTRA)
+    _, whole = _compress_all(settings.policy, ring, requests, True)
+    split = _split_run(config, requests)
+    for rank, (states, failed) in enumerate(split):
+        assert not failed
+        for r in range(len(requests)):
+            assert torch.equal(states[r].pos[:, 0], whole[r].pos[:, rank]), (case, rank, r)
+    alone = [_compress_all(SieveSettings.from_config(config).policy if case == "tova" else dataclasses.replace(
+        settings.policy, scorer=settings.policy.scorer.for_heads(rank, 2)), ring,
+        [(k[:, rank:rank + 1], v[:, rank:rank + 1], q[:, :, rank * HQ // 2:(rank + 1) * HQ // 2], b)
+         for k, v, q, b in requests], True)[1] for rank in (0, 1)]
+    assert any(not torch.equal(alone[rank][r].pos[:, 0], whole[r].pos[:, rank]) for rank in (0, 1)
+               for r in range(len(requests))), "scored alone the workers keep the same tokens: the test shows nothing"
+    if case == "tova":  # NaN queries on worker 1: its scores for that request are NaN, the combination too
+        poisoned = _split_run(config, requests, poison=1)
+        assert poisoned[0][1].keys() == poisoned[1][1].keys() == {"r1"}
+        for rank, (states, _) in enumerate(poisoned):
+            for r in (0, 2):
+                assert torch.equal(states[r].pos[:, 0], whole[r].pos[:, rank]), (rank, r)
 
 
 def test_requests_of_one_count_are_scored_in_one_call_per_layer_or_for_every_layer(monkeypatch):

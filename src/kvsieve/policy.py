@@ -84,6 +84,11 @@ class Needs:
     aligned_heads : bool
         Scores are combined across kv heads slot by slot, which needs every head of a layer to
         hold the same tokens (so no ragged per-head allocator).
+    heads_combined_by : str
+        How an ``aligned_heads`` scorer combines its kv heads' scores slot by slot, where that is
+        one reduction over equal shares of the heads: "mean" (TOVA's ``heads="layer"``) or "max"
+        (TriAttention's ``per_layer``).  Tensor-parallel workers, each holding some of a layer's
+        kv heads, combine their parts so (``vllm.store.heads_combiner``).  Empty: not known.
     whole_layers : int
         The first ``whole_layers`` layers are never compressed and get no budget (Knorm's two).
     uses_budget : bool; count_rule : (int -> int) | None
@@ -117,6 +122,7 @@ class Needs:
     sentences: tuple[str, ...] = ()
     slot_order_free: bool = False
     aligned_heads: bool = False
+    heads_combined_by: str = ""
     whole_layers: int = 0
     uses_budget: bool = True
     count_rule: Callable[[int], int] | None = None

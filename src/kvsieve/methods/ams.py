@@ -180,7 +180,7 @@ class AMS(WrappingScorer):
         self.wrap(self.prefix, inner, example="expected",
                   meta={**inner.needs.meta, **({CREDIT: 0.0} if self.use_credit else {})},
                   query_window=max(self.mass_window, inner.needs.query_window),
-                  slot_order_free=False, aligned_heads=False,
+                  slot_order_free=False, aligned_heads=False, heads_combined_by="",
                   # the released code's batch-mean segments and batch-wide suffix maximum read every row
                   rows_coupled=inner.needs.rows_coupled or self.segmentation == "batch" or self.padding == "suffix",
                   # Alg. 1's order keeps the base's scores per layer index between score and select

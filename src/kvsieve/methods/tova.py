@@ -46,7 +46,9 @@ class TOVA(Scorer):
     def __post_init__(self):
         check_choice(self.heads, ("layer", "group"), "tova heads")
         # the layer mean is one decision per slot for every head of the layer
-        self.needs = replace(self.needs, aligned_heads=self.heads == "layer")
+        # heads="layer": the mean over the layer's kv heads of their scores (``score``)
+        self.needs = replace(self.needs, aligned_heads=self.heads == "layer",
+                             heads_combined_by="mean" if self.heads == "layer" else "")
 
     def observe(self, layer, probs, query_pos, steps=False):
         # probs: [B, H_kv, G, T, cap]; the call's last query is the newest token of every row

@@ -285,7 +285,9 @@ class TriAttention(Scorer):
         if not self.stats:
             raise ValueError(f"triattention needs its calibrated statistics: stats=FILE ({STATS_HINT})")
         self._stats = QueryStats.read(self.stats)
+        # per_layer: the max over the layer's kv heads of their scores (``score``)
         self.needs = replace(self.needs, aligned_heads=self.pruning == "per_layer",
+                             heads_combined_by="max" if self.pruning == "per_layer" else "",
                              cross_layer=self.pruning == "per_head")
 
     def for_heads(self, part: int, parts: int) -> "TriAttention":

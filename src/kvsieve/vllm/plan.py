@@ -147,16 +147,19 @@ def settings_of(vllm_config) -> "SieveSettings":
 def unsplit(policy) -> str | None:
     """Why ``policy`` cannot run with its kv heads split over tensor-parallel workers, in one
     phrase, or None.  Each worker compacts only the kv heads it holds, with the count the scheduler
-    planned, so a method whose scores are each kv head's own keeps what one worker keeps; one that
-    combines a layer's kv heads slot by slot (``Needs.aligned_heads``: TOVA's ``heads="layer"``,
-    TriAttention's ``per_layer``) would keep other tokens on each worker.  (TriAttention's other
+    planned, so a method whose scores are each kv head's own keeps what one worker keeps.  One that
+    combines a layer's kv heads slot by slot (``Needs.aligned_heads``) has the workers combine
+    their parts, where that is one reduction (``Needs.heads_combined_by``: TOVA's
+    ``heads="layer"`` mean, TriAttention's ``per_layer`` max; ``store.heads_combiner``); any other
+    would keep other tokens on each worker, and is refused.  (TriAttention's other
     modes read statistics of every head: each worker cuts them to its own, ``TriAttention.for_heads``.)"""
     scorer = policy.scorer
     if scorer is None:
         return None
-    if scorer.needs.aligned_heads:
-        return "its scores combine every kv head of a layer, which tensor-parallel workers hold apart " \
-               "(TOVA: heads=group scores each kv head alone)"
+    if scorer.needs.aligned_heads and not scorer.needs.heads_combined_by:
+        return "its scores combine every kv head of a layer in a way tensor-parallel workers, which hold them " \
+               "apart, cannot rebuild from their parts (CAOTE's errors over an aligned base: choose a base " \
+               "scored per kv head, e.g. tova with heads=group)"
     return None
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..attention import attention_probs, visible
 from ..cache import DEAD_POS, LayerView
-from ..schedule import cross_layer_scores, keep_set
+from ..schedule import cross_layer_scores, keep_set, protected_scores
 from .paged import Layout, block_table, gather_rows, write_rows
 from .plan import Compaction
 
@@ -184,7 +184,8 @@ class PartlyWritten(RuntimeError):
 def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalings: list[float],
                       requests: list[tuple[RequestState, Compaction]], rings: Rings | None,
                       stack_bytes: int = STACK_BYTES,
-                      before_scoring: Callable[[list[str]], None] | None = None) -> dict[str, str]:
+                      before_scoring: Callable[[list[str]], None] | None = None,
+                      combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, str]:
     """Compress this step's requests of one policy in place, each to its ``c.keep`` tokens per
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather and one write for all of them, and one
@@ -204,7 +205,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     and fields (updated to its kept slots) and its compaction; rings: the requests' recorded
     queries (None when the scorer reads none); before_scoring: called with each batch's request ids,
     in its row order, before the batch is scored (the worker selects their rows of SkipKV's
-    sentence table, ``sentences.RequestSentences.select``)."""
+    sentence table, ``sentences.RequestSentences.select``); combine: where tensor-parallel workers
+    hold a layer's kv heads apart and the scorer combines them (``heads_combiner``), the
+    combination of this worker's scores with the others'."""
     needs = policy.scorer.needs
     reads_queries = bool(needs.query_window or needs.observes)
     groups: dict[tuple, list[tuple[RequestState, Compaction]]] = {}
@@ -226,7 +229,7 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
             try:
                 if before_scoring is not None:
                     before_scoring([c.req_id for _, c in batch])
-                _Batch(policy, layout, caches, batch).compress(scalings, rings, stack_bytes)
+                _Batch(policy, layout, caches, batch).compress(scalings, rings, stack_bytes, combine)
             except Exception as err:  # noqa: BLE001: any failure is one request's, never the server's
                 if len(batch) > 1 and not isinstance(err, PartlyWritten):
                     tries += [[one] for one in batch]
@@ -347,7 +350,33 @@ class _Batch:
             observe_since(policy.scorer, view, queries, seen, self.since.repeat(n), self.prompts.repeat(n))
         return view
 
-    def compress(self, scalings: list[float], rings: Rings | None, stack_bytes: int = 0) -> None:
+    def scored(self, layers: range, scaling: float, rings: Rings | None, rows: list,
+               combine: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[LayerView, torch.Tensor | None]:
+        """The view of ``layers`` and, where tensor-parallel workers combine a layer's kv heads
+        (``combine``: ``heads_combiner``), its protected scores [n * R, H, S] combined with the
+        other workers'.  Every worker makes the collective, one that failed to score too (its part
+        then NaN), so a batch fails on every worker alike and all retry the same requests: no
+        worker is left waiting in a collective the others never make."""
+        if combine is None:
+            return self.read(layers, scaling, rings), None
+        R, H, S = self.pos.shape[1:]
+        view, error = None, None
+        part = torch.full((len(layers) * R, H, S), float("nan"))
+        try:
+            view = self.read(layers, scaling, rings)
+            seen, prompt_len, pinned = rows
+            part = protected_scores(view, self.policy, seen, prompt_len if pinned is None else pinned)
+        except Exception as err:  # noqa: BLE001: raised below, after the collective
+            error = err
+        scores = combine(part)
+        if error is not None:
+            raise error
+        if bool(scores.isnan().any()):
+            raise RuntimeError("kvsieve: another tensor-parallel worker failed to score this batch")
+        return view, scores
+
+    def compress(self, scalings: list[float], rings: Rings | None, stack_bytes: int = 0,
+                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Every layer's keep-set, then every layer's kept slots written into the requests' first
         slots (nothing is written when scoring fails; the kept keys and values of every layer are
         held meanwhile, at most the requests' kept KV), then the states updated.  A cross-layer
@@ -364,8 +393,11 @@ class _Batch:
         chosen, new_pos, new_fields = [], [], {name: [] for name in self.fields}
         for layers in self.stacks(scalings, rings, stack_bytes):  # every layer scored before any is written
             n = len(layers)
-            view = self.read(layers, scalings[layers.start], rings) if views is None else views[layers.start]
             rows = [None if t is None else t.repeat(n) for t in (self.seen, self.prompt_len, self.pinned)]
+            if views is None:
+                view, scores = self.scored(layers, scalings[layers.start], rings, rows, combine)
+            else:
+                view = views[layers.start]
             kept = keep_set(view, policy, budget, *rows, scores)  # [n * R, H, keep]
             if kept.shape[-1] != self.keep:
                 raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned "
@@ -386,6 +418,23 @@ class _Batch:
             state.pos = pos[r]
             state.fields = {name: t[r] for name, t in fields.items()}
             state.next_pos = c.logical_len
+
+
+def heads_combiner(mode: str, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a tensor-parallel worker combines an aligned scorer's scores (``Needs.aligned_heads``:
+    [B, H_kv, S], the same in each of its kv heads) with the other workers', every worker holding
+    an equal share of the layer's kv heads: the ``mode`` (``Needs.heads_combined_by``, "mean" or
+    "max") over the workers' parts, per slot, for every head.  ``all_gather(t)``: the workers' t
+    [B, 1, S] side by side, [B, W, S] in rank order (vLLM's ``tensor_model_parallel_all_gather``),
+    so every worker reduces the same numbers in the same order and keeps the same tokens.  The
+    mean of the workers' means is the mean over the layer's kv heads (equal shares), as one
+    worker's TOVA takes it; protected (+inf) and dead (-inf) slots are the same on every worker."""
+    reduce = {"mean": lambda t: t.mean(dim=1, keepdim=True), "max": lambda t: t.amax(dim=1, keepdim=True)}[mode]
+
+    def combine(scores: torch.Tensor) -> torch.Tensor:
+        return reduce(all_gather(scores[:, :1].contiguous())).expand_as(scores)
+
+    return combine
 
 
 def stack(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -32,7 +32,8 @@ import time
 import numpy as np
 import psutil
 import torch
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_gather)
 from vllm.logger import init_logger
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -48,7 +49,7 @@ from .bounds import held_tokens
 from .plan import Compaction, SieveSettings, settings_of
 from .preflight import check_stats
 from .sentences import RequestSentences, sentence_reader
-from .store import RequestState, compress_requests
+from .store import RequestState, compress_requests, heads_combiner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints INFO; ours alone has none
 _DEBUG = bool(os.environ.get("KVSIEVE_VLLM_DEBUG"))
@@ -184,6 +185,16 @@ class SieveCPUModelRunner(CPUModelRunner):
             return policy
         return dataclasses.replace(policy, scorer=policy.scorer.for_heads(get_tensor_model_parallel_rank(), parts))
 
+    @staticmethod
+    def combiner(policy: Policy):
+        """For a scorer that combines a layer's kv heads (``Needs.aligned_heads``), split over
+        tensor-parallel workers: the combination of this worker's scores with the others'
+        (``store.heads_combiner``, over vLLM's tensor-parallel group; ``plan.unsplit`` refuses a
+        scorer with no ``heads_combined_by``).  None otherwise."""
+        if get_tensor_model_parallel_world_size() == 1 or policy.scorer is None or not policy.scorer.needs.aligned_heads:
+            return None
+        return heads_combiner(policy.scorer.needs.heads_combined_by, lambda t: tensor_model_parallel_all_gather(t, 1))
+
     def _sieve_policy_of(self, c: Compaction) -> Policy:
         """The policy request ``c.req_id`` is compressed with: the server's, or the one its own
         settings name (``c.overrides``; built once per request, as the scheduler built its settings)."""
@@ -212,7 +223,7 @@ class SieveCPUModelRunner(CPUModelRunner):
         for policy, requests in by_policy.values():
             select = None if self.sieve_sentences is None else self.sieve_sentences.select  # a batch's table rows
             failed = compress_requests(policy, self.sieve_layout, caches, scalings, requests, self.sieve_recorder,
-                                       before_scoring=select)
+                                       before_scoring=select, combine=self.combiner(policy))
             for req_id, why in failed.items():  # the scheduler ends them after this step (SieveRunnerOutput)
                 logger.warning("kvsieve: request %s not compressed, ending it: %s", req_id, why)
             self.sieve_failed.update(failed)
