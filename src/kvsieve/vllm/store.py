@@ -191,8 +191,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     compressed together (``_Batch``: per layer one gather and one write for all of them, and one
     scoring for all of them and, where the scorer allows, for several layers: ``_Batch.stacks``
     under ``stack_bytes``, 0 for one layer at a time); a replaying scorer's requests also replay
-    as many queries, none of them a prompt's (``replay_shape``), and a scorer whose rows read each other (``Needs.rows_coupled``: AMS's
-    batch segmentation) has its requests compressed one at a time.
+    as many queries, none of them a prompt's (``replay_shape``), and a scorer whose rows read each
+    other (``Needs.rows_coupled``: AMS's batch segmentation) has its requests compressed one at a
+    time.
 
     One request must not fail the others (a server serves them all): a batch scores every layer
     before it writes any, so a batch that fails while scoring has changed nothing and its requests
@@ -262,8 +263,9 @@ class _Batch:
 
     A scorer that reads nothing of a layer but its rows (``Needs.stacks_layers``) has several
     layers scored as one view of [n * R] rows, layer-major (``stacks``): one scoring for them all
-    instead of one per layer, since a compaction's cost is the count of small tensor calls, not
-    their size (about 130 per layer for LazyEviction; docs/vllm-design.md)."""
+    instead of one per layer.  A lone request's compaction costs the count of its small tensor
+    calls (about 130 per layer for LazyEviction), which stacking cuts; many requests at once cost
+    their data, which it does not (docs/vllm-design.md, "Layers stacked")."""
 
     def __init__(self, policy, layout: Layout, caches: list[torch.Tensor],
                  requests: list[tuple[RequestState, Compaction]]):
@@ -332,7 +334,8 @@ class _Batch:
         recent = recent_pos = None
         if needs.query_window:
             held = min(needs.query_window, rings.held(req_ids[0]))
-            recent = stack([rings.rows(layer, req_ids, held) for layer in layers]).permute(0, 2, 1, 3)  # [nR, H_q, w, D]
+            recent = stack([rings.rows(layer, req_ids, held) for layer in layers])  # [n * R, w, H_q, D]
+            recent = recent.permute(0, 2, 1, 3)  # [n * R, H_q, w, D]
             recent_pos = seen[:, None] - held + torch.arange(held)[None]  # [n * R, w]
         meta = {"pos": self.pos[layers.start:layers.stop].view(n * R, H, S),
                 **{name: t[layers.start:layers.stop].view(n * R, H, S) for name, t in self.fields.items()}}
@@ -420,7 +423,8 @@ class _Batch:
             state.next_pos = c.logical_len
 
 
-def heads_combiner(mode: str, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def heads_combiner(mode: str,
+                   all_gather: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a tensor-parallel worker combines an aligned scorer's scores (``Needs.aligned_heads``:
     [B, H_kv, S], the same in each of its kv heads) with the other workers', every worker holding
     an equal share of the layer's kv heads: the ``mode`` (``Needs.heads_combined_by``, "mean" or

@@ -191,7 +191,8 @@ class SieveCPUModelRunner(CPUModelRunner):
         tensor-parallel workers: the combination of this worker's scores with the others'
         (``store.heads_combiner``, over vLLM's tensor-parallel group; ``plan.unsplit`` refuses a
         scorer with no ``heads_combined_by``).  None otherwise."""
-        if get_tensor_model_parallel_world_size() == 1 or policy.scorer is None or not policy.scorer.needs.aligned_heads:
+        if get_tensor_model_parallel_world_size() == 1 or policy.scorer is None \
+                or not policy.scorer.needs.aligned_heads:
             return None
         return heads_combiner(policy.scorer.needs.heads_combined_by, lambda t: tensor_model_parallel_all_gather(t, 1))
 
