@@ -217,6 +217,24 @@ def test_attention_probs_groups_query_heads_onto_their_kv_head():
         assert (probs[0, h, gi, :, n:] == 0).all()
 
 
+def test_attention_probs_masks_bit_for_bit_as_masked_fill():
+    """The additive 0/-inf bias gives exactly the rows of filling masked logits with -inf, including
+    rows with nothing visible (all NaN, as softmax of -inf everywhere) and -0.0 logits."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, HQ, 4, D, generator=g)
+    k = torch.randn(3, HKV, 7, D, generator=g)
+    k[0, 0, 2] = 0.0  # a zero key: its logits are signed zeros
+    allowed = torch.rand(3, HKV, 4, 7, generator=g) > 0.4
+    allowed[1, 1, 2] = False  # a query that sees nothing
+    B3, H, T, S = allowed.shape
+    logits = (q.reshape(B3, H, G * T, D) * 0.3) @ k.transpose(-1, -2)
+    expected = logits.view(B3, H, G, T, S).masked_fill(~allowed[:, :, None], float("-inf")).softmax(dim=-1)
+    probs = attention_probs(q, k, allowed, 0.3)
+    assert probs[1, 1, :, 2].isnan().all()
+    assert torch.equal(probs.isnan(), expected.isnan())
+    assert torch.equal(probs.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+
+
 def test_window_attention_zeroes_padding_query_rows_and_matches_reference_for_real_ones():
     cache, tokens, g, _ = build_ragged_cache(5, query_window=4)
     layer = cache.layers[1]

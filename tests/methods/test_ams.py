@@ -15,7 +15,7 @@ from kvsieve.analysis.trace import TraceRecorder
 from kvsieve.attention import StepState, sieve_attention, window_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
-from kvsieve.methods.ams import CREDIT, ema_credit, quality_mass
+from kvsieve.methods.ams import CREDIT, ema_credit, missed_by, quality_mass
 from kvsieve.schedule import compress_layer, indices_from_mask
 from kvsieve.methods._segments import (SegmentQuotas, allocate_quotas, fill_to_budget, segment_ids, segment_starts,
                               top_per_segment)
@@ -185,6 +185,24 @@ def test_mass_pads_masked_observations_with_the_window_max():
     assert torch.allclose(mass[0, 0], usage / usage.sum())
     eps = quality_mass(probs, torch.tensor([[2, 3]]), key_pos, live, kernel=1, eps=1.0)
     assert torch.allclose(eps[0, 0], (usage + 1) / (usage + 1).sum())  # Eq. (1)
+
+
+def test_missed_counts_the_real_window_queries_before_each_key():
+    """Per key, the real queries (padding at DEAD_POS, any order) that come before it, as a loop
+    over (query, key) counts them; a dead key (DEAD_POS) is missed by every real query."""
+    g = torch.Generator().manual_seed(4)
+    query_pos = torch.randint(0, 40, (3, 6), generator=g)
+    query_pos[1, :2] = DEAD_POS  # padding queries
+    query_pos[2] = query_pos[2].flip(0)
+    key_pos = torch.randint(0, 45, (3, 2, 9), generator=g)
+    key_pos[0, 1, 4] = DEAD_POS
+    counts = missed_by(query_pos, key_pos)
+    for b in range(3):
+        real = [int(q) for q in query_pos[b] if q != DEAD_POS]
+        for h in range(2):
+            for s in range(9):
+                assert int(counts[b, h, s]) == sum(q < int(key_pos[b, h, s]) for q in real)
+    assert int(counts[0, 1, 4]) == 6
 
 
 def test_ema_credit_update_and_mixture():

@@ -79,8 +79,7 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
     total = probs.sum(dim=-2)  # [B, H, G, S]
     if padding == "missing":
         window_max = probs.amax(dim=(-1, -2))[..., None]  # [B, H, G, 1]
-        missed = (key_pos[:, :, None, :] > query_pos[:, None, :, None]) & real[:, None, :, None]  # [B, H, w, S]
-        total = total + window_max * missed.sum(dim=2)[:, :, None]  # dead keys: every query missed them
+        total = total + window_max * missed_by(query_pos, key_pos)[:, :, None]  # dead keys: every query missed them
     usage = reduce_group(total / n_real, head_reduction)  # [B, H, S]
     usage = pool_along_sequence(usage, live, kernel, "avg")
     if padding == "suffix":  # deviation: released code pads with one max over the whole batch (.item())
@@ -89,6 +88,16 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
         usage = torch.where(key_pos >= first[:, None, None], top, usage)
     mass = (usage.clamp(min=0) + eps) * live  # Eq. (1)
     return normalize(mass)
+
+
+def missed_by(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """[B, H, S] int64: how many real queries of the window (query_pos [B, w], DEAD_POS on padding)
+    come before each key (key_pos [B, H, S]), i.e. did not see it: a count by binary search over
+    the sorted query positions instead of a [B, H, w, S] comparison.  A padding query (DEAD_POS)
+    is never before a key, a dead key (DEAD_POS) after every real query."""
+    B, H, S = key_pos.shape
+    before = torch.searchsorted(query_pos.sort(dim=-1).values, key_pos.reshape(B, H * S), side="left")
+    return before.view(B, H, S)
 
 
 def ema_credit(credit, mass, live, lam: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
