@@ -69,15 +69,15 @@ class Needs:
     observes_steps : bool
         ``observe(..., steps=True)`` takes T decode steps' rows in one call and leaves the state T
         calls of one row leave (vLLM's worker replays a request's queries since a compaction so).
-    query_window : int
-        Recent post-RoPE queries per layer the engine keeps for ``score``.
+    query_window : int; attends_window : bool
+        Recent post-RoPE queries per layer the engine keeps for ``score``, which attends them over
+        the cache (SnapKV, AMS) unless ``attends_window`` is False (Expected Attention's statistics).
     per_token_hook : bool
         ``attach()`` yields a per-token host callback (SkipKV's sentences).
     sentences : tuple[str, ...]
         The token texts that end a sentence (SkipKV's delimiter set D) for a scorer that reads a
-        ``methods.skipkv.SentenceTable`` of each token's sentence and each sentence's last-layer
-        hidden states: ``attach`` feeds it in kvsieve's loop; a caller that feeds one itself hands
-        it over with the scorer's ``read_sentences`` (vLLM's worker).  Empty for the rest.
+        ``methods.skipkv.SentenceTable`` (each token's sentence, each sentence's last-layer hidden
+        states), fed by ``attach`` or handed over by ``read_sentences`` (vLLM's worker); empty for the rest.
     slot_order_free : bool
         Scores are per token, blind to slot neighbours (no pooling, no partitions): the engine may
         evict in place (``SieveLayer.evict``), moving the newest tokens into freed slots.
@@ -85,10 +85,9 @@ class Needs:
         Scores are combined across kv heads slot by slot, which needs every head of a layer to
         hold the same tokens (so no ragged per-head allocator).
     heads_combined_by : str
-        How an ``aligned_heads`` scorer combines its kv heads' scores slot by slot, where that is
-        one reduction over equal shares of the heads: "mean" (TOVA's ``heads="layer"``) or "max"
-        (TriAttention's ``per_layer``).  Tensor-parallel workers, each holding some of a layer's
-        kv heads, combine their parts so (``vllm.store.heads_combiner``).  Empty: not known.
+        How an ``aligned_heads`` scorer combines its kv heads slot by slot, if by one reduction:
+        "mean" (TOVA's ``heads="layer"``), "max" (TriAttention's ``per_layer``), or "" (unknown).
+        Tensor-parallel workers combine their parts so (``vllm.store.heads_combiner``).
     whole_layers : int
         The first ``whole_layers`` layers are never compressed and get no budget (Knorm's two).
     uses_budget : bool; count_rule : (int -> int) | None
@@ -118,6 +117,7 @@ class Needs:
     observes_last_only: bool = False
     observes_steps: bool = False
     query_window: int = 0
+    attends_window: bool = True
     per_token_hook: bool = False
     sentences: tuple[str, ...] = ()
     slot_order_free: bool = False

@@ -164,3 +164,21 @@ def test_expected_compresses_within_budget_end_to_end(smollm):
     heads = model.config.num_key_value_heads
     assert stat.compression_events >= 2 and max(stat.final_kv_tokens) <= heads * (24 + 8)
     assert max(stat.peak_kv_tokens) == heads * (stat.prompt_tokens + 8)  # decode-only: prompt, then + I
+
+
+def test_angles_of_repeated_rows_are_computed_once_and_equal_each_rows_own():
+    from kvsieve.methods.expected import per_distinct_row, rope_angles
+
+    inv_freq = standard_inv_freq(D, THETA)
+    positions = torch.tensor([[5, 6, 7], [9, 10, 11], [5, 6, 7], [5, 6, 7]])
+    calls = []
+
+    def angles(p):
+        calls.append(p.shape[0])
+        return rope_angles(p, inv_freq)
+
+    cos, sin = per_distinct_row(positions, angles)
+    assert calls == [2]  # two distinct rows
+    for row in range(4):
+        own_cos, own_sin = rope_angles(positions[row:row + 1], inv_freq)
+        assert torch.equal(cos[row], own_cos[0]) and torch.equal(sin[row], own_sin[0])

@@ -188,7 +188,7 @@ class AMS(WrappingScorer):
         # (Sec. 3.1): a base that aligns heads is asked per kv head (``score``)
         self.wrap(self.prefix, inner, example="expected",
                   meta={**inner.needs.meta, **({CREDIT: 0.0} if self.use_credit else {})},
-                  query_window=max(self.mass_window, inner.needs.query_window),
+                  query_window=max(self.mass_window, inner.needs.query_window), attends_window=True,
                   slot_order_free=False, aligned_heads=False, heads_combined_by="",
                   # the released code's batch-mean segments and batch-wide suffix maximum read every row
                   rows_coupled=inner.needs.rows_coupled or self.segmentation == "batch" or self.padding == "suffix",

@@ -43,9 +43,13 @@ from ..cache import DEAD_POS
 from ..policy import About, Defaults, Needs, Scorer, register
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_back(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos - rotate_half(x) * sin`` (rotate-half layout: R_{-p} x for the angles of p), by
+    halves, [x1 c + x2 s, x2 c - x1 s]: bit for bit the same (a negation is exact) without
+    building rotate_half(x)."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos[..., :half] + x2 * sin[..., :half], x2 * cos[..., half:] - x1 * sin[..., half:]], dim=-1)
 
 
 def standard_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -71,13 +75,26 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 
 def query_statistics(queries: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean [B, H_q, D] and covariance [B, H_q, D, D] of queries [B, H_q, w, D] over the
-    window entries with weight 1 (weight [B, w] in {0, 1}; biased estimate, as kvpress)."""
+    window entries with weight 1 (weight [B, w] in {0, 1}; biased estimate, as kvpress).  With
+    every weight 1 the products by it, exact, are skipped."""
     w = weight[:, None, :, None].to(queries.dtype)  # [B, 1, w, 1]
     count = w.sum(dim=2).clamp(min=1)  # [B, 1, 1]
-    mean = (queries * w).sum(dim=2) / count
-    centered = (queries - mean[:, :, None]) * w
+    whole = bool(weight.all())
+    mean = (queries if whole else queries * w).sum(dim=2) / count
+    centered = queries - mean[:, :, None]
+    if not whole:
+        centered = centered * w
     cov = centered.transpose(-1, -2) @ centered / count[..., None]
     return mean, cov
+
+
+def per_distinct_row(positions: torch.Tensor, fn):
+    """``fn(positions)`` [B, ...] computed once per distinct row of ``positions`` [B, n] (the rows
+    of a stack of one request's layers are alike) and given back to every row."""
+    distinct, row_of = torch.unique(positions, dim=0, return_inverse=True)
+    if distinct.shape[0] == positions.shape[0]:
+        return fn(positions)
+    return tuple(t[row_of] for t in fn(distinct))
 
 
 @register("expected")
@@ -106,7 +123,8 @@ class ExpectedAttention(Scorer):
 
     about = About("expected attention of future queries (Gaussian, RoPE-averaged) times value norm",
                   "Devoto et al. 2025 (arXiv:2510.00636) via kvpress; epsilon 1e-2, HS buffer 256: AMS Table 10/15")
-    needs = Needs(slot_order_free=True, stacks_layers=True)  # per-token scores: the engine may evict in place
+    # per-token scores: the engine may evict in place; the window's statistics, no attention rows
+    needs = Needs(slot_order_free=True, stacks_layers=True, attends_window=False)
     # protect_prompt False (inherited): AMS App. B.2 "cap the per-layer cache length at T_keep", the prompt
     # included, as ``ams``; its Table 11 notes prompt-prefix protection for R-KV and RPC only
     defaults = Defaults(sinks=4, interval=512, compress_prefill=False)  # AMS App. B.2, Tables 12/15
@@ -156,16 +174,15 @@ class ExpectedAttention(Scorer):
         weight = torch.where(weight.any(dim=1, keepdim=True), weight, real)  # only sinks seen: use them
         inv_freq = self.frequencies(D)
         if inv_freq is not None:  # back to pre-RoPE: R_{-p} q_p
-            cos, sin = rope_angles(qpos.masked_fill(~real, 0), inv_freq)  # [B, w, D]
-            queries = queries * cos[:, None] - _rotate_half(queries) * sin[:, None]
+            cos, sin = per_distinct_row(qpos.masked_fill(~real, 0), lambda p: rope_angles(p, inv_freq))  # [B, w, D]
+            queries = rotate_back(queries, cos[:, None], sin[:, None])
         mean, cov = query_statistics(queries, weight)  # [B, H_q, D], [B, H_q, D, D]
         if inv_freq is not None:  # k^T R_bar: the logits of R_bar mu and R_bar Sigma R_bar^T
             # deviation: kvpress starts at the number of buffered hidden states, which in decoding is
             # not the row's position; [24] averages over the positions after the current one
             future = seen_tokens[:, None] + torch.arange(self.n_future, device=keys.device)  # [B, n_future]
-            cos, sin = rope_angles(future, inv_freq)
-            cos_bar, sin_bar = cos.mean(dim=1)[:, None, None], sin.mean(dim=1)[:, None, None]  # [B, 1, 1, D]
-            keys = keys * cos_bar - _rotate_half(keys) * sin_bar  # R_bar^T k
+            cos_bar, sin_bar = per_distinct_row(future, lambda p: tuple(t.mean(dim=1) for t in rope_angles(p, inv_freq)))
+            keys = rotate_back(keys, cos_bar[:, None, None], sin_bar[:, None, None])  # R_bar^T k; [B, 1, 1, D] angles
         G = mean.shape[1] // H
         mean, cov = mean.view(B, H, G, D), cov.view(B, H, G, D, D)
         s = layer.scaling

@@ -295,7 +295,8 @@ class _Batch:
         """The layers scored together, as runs: one layer each, unless the scorer stacks layers
         (``Needs.stacks_layers``), when runs of one softmax scale hold as many layers as keep the
         largest attention-rows tensor of a run under ``stack_bytes`` (its rows [n * R, H_q, T, S]
-        for T queries, or a key-similarity [n * R, H_kv, S, S])."""
+        for T queries, its window's queries [n * R, H_q, T, D] for a scorer that does not attend
+        them (``Needs.attends_window``), or a key-similarity [n * R, H_kv, S, S])."""
         needs, L = self.policy.scorer.needs, len(self.caches)
         if not needs.stacks_layers or needs.cross_layer or stack_bytes <= 0:
             return [range(layer, layer + 1) for layer in range(L)]
@@ -306,7 +307,9 @@ class _Batch:
         elif needs.query_window and rings is not None:
             queries = min(needs.query_window, rings.held(self.cs[0].req_id))
         heads_q = rings.heads() if rings is not None else H
-        per_layer = R * S * 4 * max(heads_q * max(queries, 1), H * S)
+        head_dim = self.layout.key_value(self.caches[0])[0].shape[-1]
+        per_query = S if needs.attends_window or not needs.query_window else head_dim
+        per_layer = R * 4 * max(heads_q * max(queries, 1) * per_query, H * S * S)
         most = max(1, min(L, stack_bytes // per_layer))
         runs, start = [], 0
         for layer in range(1, L + 1):
@@ -335,7 +338,7 @@ class _Batch:
         if needs.query_window:
             held = min(needs.query_window, rings.held(req_ids[0]))
             recent = stack([rings.rows(layer, req_ids, held) for layer in layers])  # [n * R, w, H_q, D]
-            recent = recent.permute(0, 2, 1, 3)  # [n * R, H_q, w, D]
+            recent = recent.permute(0, 2, 1, 3).contiguous()  # [n * R, H_q, w, D]: elementwise ops on it stay fast
             recent_pos = seen[:, None] - held + torch.arange(held)[None]  # [n * R, w]
         meta = {"pos": self.pos[layers.start:layers.stop].view(n * R, H, S),
                 **{name: t[layers.start:layers.stop].view(n * R, H, S) for name, t in self.fields.items()}}
