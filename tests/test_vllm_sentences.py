@@ -107,6 +107,7 @@ def test_each_request_holds_its_own_sentences_as_vllms_worker_feeds_them():
     for _ in range(12):
         forward(feeder, ref, rng, {"c": 1, "a": 1, "b": 1})  # the batch reordered by vLLM
     check(feeder, ref, ["b", "c", "a"])  # a compacted batch's rows, in its order
+    check(feeder, ref, ["b", "c", "a"] * 3)  # the rows of a stack of three layers, layer-major
     check(feeder, ref, ["c"])
     # a finishes; d takes its row and must see none of a's sentences
     feeder.forget("a")

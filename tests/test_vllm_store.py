@@ -9,6 +9,7 @@ the observed state at compaction.  Plain torch, no vLLM: runs in the main enviro
 
 import dataclasses
 import threading
+import warnings
 
 import pytest
 import torch
@@ -99,11 +100,40 @@ def test_a_paged_request_keeps_what_kvsieves_store_keeps(case):
         ref = cache.layers[layer_idx]
         k, v = gather(CpuLayout(), caches[layer_idx], torch.tensor(BLOCKS), keep)  # the request's first slots
         for h in range(H):
-            ours = state.pos[layer_idx, h]
+            ours = state.pos[layer_idx, h]  # each slot's position: in position order unless moved in place
             assert torch.equal(k[h], keys[layer_idx, h, ours]) and torch.equal(v[h], values[layer_idx, h, ours])
             theirs = ref.meta["pos"][0, h][ref.meta["pos"][0, h] != DEAD_POS].sort().values
-            assert ours.tolist() == theirs.tolist(), (case, layer_idx, h)  # ties too: one rule (schedule.ranked)
+            # ties too: one rule (schedule.ranked)
+            assert ours.sort().values.tolist() == theirs.tolist(), (case, layer_idx, h)
+            if not policy.scorer.needs.slot_order_free:
+                assert ours.tolist() == theirs.tolist()
     assert state.next_pos == S and state.pos.shape == (L, H, keep)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_tokens_move_into_evicted_slots_as_kvsieves_in_place_eviction_moves_them(seed):
+    """``hole_moves`` leaves the slots as ``SieveLayer.evict`` (kvsieve's engine, evicting in place
+    for a scorer blind to slot order) leaves them for the same evicted tokens: each (row, head)'s
+    kept tokens below the count stay, the ones beyond it fill the evicted slots in order."""
+    from kvsieve.vllm.store import hole_moves, moved_slots
+
+    g = torch.Generator().manual_seed(seed)
+    rows, keep = 3, 10
+    cache = SieveCache(1)
+    qpos = torch.arange(S).expand(rows, S)
+    cache.begin_step(qpos)
+    layer = cache.layers[0]
+    layer.update(torch.randn(rows, H, S, D, generator=g), torch.randn(rows, H, S, D, generator=g), qpos)
+    order = torch.rand(rows, H, S, generator=g).argsort(dim=-1)
+    kept, dropped = order[..., :keep].sort(dim=-1).values, order[..., keep:]  # [rows, H, keep], the rest
+    slots = layer.meta["pos"].clone()  # each slot's position (slot s holds position s)
+    row, head, dst, src = hole_moves(kept, S)
+    ours = moved_slots(slots, row, head, dst, src, keep)
+    layer.evict(dropped, torch.full((rows, H), S - keep), keep)
+    assert torch.equal(ours, layer.meta["pos"][..., :keep])
+    assert torch.equal(ours.sort(dim=-1).values, kept)  # the kept tokens, each once
+    stays = torch.zeros(rows, H, S, dtype=torch.bool).scatter_(-1, kept, True)[..., :keep]
+    assert torch.equal(ours[stays], slots[..., :keep][stays])  # a kept token below the count never moves
 
 
 def test_keep_set_refuses_a_select_that_keeps_uneven_counts():
@@ -172,7 +202,7 @@ def test_a_paged_request_keeps_what_the_cross_layer_schedule_keeps(tmp_path, pro
         ref = cache.layers[layer_idx].meta["pos"][0]  # [H, cap]
         for h in range(H):
             theirs = ref[h][ref[h] != DEAD_POS].sort().values.tolist()
-            assert state.pos[layer_idx, h].tolist() == theirs, (prompt, layer_idx, h)
+            assert state.pos[layer_idx, h].sort().values.tolist() == theirs, (prompt, layer_idx, h)
             assert set(range(min(prompt, BUDGET))) <= set(theirs)  # the pinned prompt stays
     assert torch.equal(state.pos[0], state.pos[1])  # the same tokens in every layer
 
@@ -273,10 +303,10 @@ def _pool_requests(seed: int):
 
 
 def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int | None = None, combine=None,
-                  failed: dict | None = None):
+                  failed: dict | None = None, before_scoring=None):
     """Both compactions of every request, together or one by one: the pool and the states (the
-    requests' kv heads: those of their keys).  combine: ``compress_requests``'; failed: collects
-    the requests it could not compress."""
+    requests' kv heads: those of their keys).  combine, before_scoring: ``compress_requests``';
+    failed: collects the requests it could not compress."""
     from kvsieve.vllm.store import STACK_BYTES, HeldRings, compress_requests
 
     heads = requests[0][0].shape[1]
@@ -308,7 +338,8 @@ def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int 
             for r, (_, c) in enumerate(items)})
         if together:
             lost = compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings,
-                                     STACK_BYTES if stack_bytes is None else stack_bytes, combine=combine)
+                                     STACK_BYTES if stack_bytes is None else stack_bytes, combine=combine,
+                                     before_scoring=before_scoring)
             if failed is not None:
                 failed.update(lost)
         else:
@@ -348,6 +379,42 @@ def test_requests_compressed_together_keep_what_each_keeps_alone(case, tmp_path)
             for h in range(H):
                 kept = states_t[r].pos[layer, h]
                 assert torch.equal(k[h], keys[layer, h, kept]) and torch.equal(v[h], values[layer, h, kept])
+
+
+def test_skipkv_scores_stacked_layers_with_each_rows_own_sentences():
+    """SkipKV's layers scored as one stack (its table's rows selected once per view row) keep the
+    tokens they keep scored one layer at a time, and the sentence penalty takes part: without the
+    table the same requests keep other tokens."""
+    from kvsieve.methods.skipkv import SentenceTable
+    from kvsieve.vllm.sentences import RequestSentences, sentence_reader
+
+    requests = _pool_requests(7)
+    kept = {}
+    for way, stack_bytes in (("one layer at a time", 0), ("stacked", None), ("no table", None)):
+        settings = SieveSettings.from_config({"method": "skipkv", "budget": BUDGET, "options": {"tau": 0.2}})
+        feeder = RequestSentences(SentenceTable(torch.tensor([3, 7]), capacity=8))
+        g = torch.Generator().manual_seed(11)
+        for r, (first, _) in enumerate(TOGETHER):  # every token the two compactions see, with hidden states
+            n = first + EXTRA
+            feeder.feed([f"r{r}"], [0, n], torch.randint(0, 10, (n,), generator=g), torch.arange(n),
+                        torch.randn(n, 6, generator=g))
+        if way != "no table":
+            sentence_reader(settings.policy.scorer).read_sentences(feeder.table)
+        calls = []
+
+        def select(req_ids):
+            calls.append(len(req_ids))
+            feeder.select(req_ids)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if way == "no table" else "error")
+            _, states = _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, True,
+                                      stack_bytes, before_scoring=select)
+        kept[way] = [state.pos.sort(dim=-1).values for state in states]
+        if way == "stacked":
+            assert max(calls) > 3  # several layers' rows in one selection
+    assert all(torch.equal(a, b) for a, b in zip(kept["stacked"], kept["one layer at a time"]))
+    assert not all(torch.equal(a, b) for a, b in zip(kept["stacked"], kept["no table"]))
 
 
 class _ThreadGather:

@@ -105,9 +105,9 @@ class Needs:
     rows_coupled : bool
         A row's scores read other rows (AMS's released batch segmentation): vLLM scores it alone.
     stacks_layers : bool
-        ``observe``, ``score`` and ``select`` read nothing of a layer but its rows: no layer index,
-        no state kept between calls, no random draws.  Rows of several layers may then be scored
-        as one batch (vLLM's worker scores every layer of a compaction at once, ``store._Batch``).
+        ``observe``, ``score`` and ``select`` read nothing of a layer but its rows (no layer index,
+        random draw or state between calls; SkipKV's table is selected per row): rows of several
+        layers may be scored as one batch (vLLM's worker, ``store._Batch``).
     """
 
     meta: dict[str, float] = field(default_factory=dict)

@@ -123,8 +123,9 @@ class SentenceTable:
             self.version += 1
 
     def select(self, rows: torch.Tensor) -> None:
-        """Read the rows ``rows`` [B] next (``sentence_of``, ``penalty``), in that order."""
-        self.rows, self.version = rows, self.version + 1
+        """Read the rows ``rows`` [B] next (``sentence_of``, ``penalty``), in that order; a row may
+        repeat (vLLM's worker scores a stack of layers as rows of one request each)."""
+        self.rows = rows
 
     def sentence_of(self, pos: torch.Tensor) -> torch.Tensor:
         """Sentence id of each position [B, H, C] of the current rows (meaningless on dead slots)."""
@@ -133,21 +134,23 @@ class SentenceTable:
         return ids.view_as(pos).clamp(min=0)
 
     def penalty(self, tau: float, min_tokens: int) -> torch.Tensor:
-        """[B, S] lambda_i for sentences in P (Eq. 3), 0 elsewhere; cached until new tokens arrive."""
-        key = (self.version, tau, min_tokens)
+        """[B, S] lambda_i for sentences in P (Eq. 3), 0 elsewhere: computed once per distinct row,
+        cached until new tokens arrive or other rows are read."""
+        distinct, row_of = torch.unique(self.rows, return_inverse=True)
+        key = (self.version, tau, min_tokens, tuple(distinct.tolist()))
         if self._lam is None or self._lam[0] != key:
-            count, S = self.count[self.rows], self.capacity
-            emb = F.normalize(self.total[self.rows] / count.clamp(min=1)[..., None], dim=-1)
+            count, S = self.count[distinct], self.capacity
+            emb = F.normalize(self.total[distinct] / count.clamp(min=1)[..., None], dim=-1)
             sim = emb @ emb.transpose(1, 2)  # [B, S, S] PSS: Eq. 1's dot product of normalised v_i = cosine
             idx = torch.arange(S, device=sim.device)
-            ok = (idx < self.open[self.rows][:, None]) & (count >= min_tokens)  # closed sentences
+            ok = (idx < self.open[distinct][:, None]) & (count >= min_tokens)  # closed sentences
             # i strictly earlier than j: Eq. 3 prints i <= j, but lambda_ii = 1 > tau would flag every
             # sentence; the text ("the earlier sentence i is flagged ..., the later one j is retained") pairs two
             pair = ok[:, :, None] & ok[:, None, :] & (idx[:, None] < idx[None, :])
             # deviation: with several later partners j, lambda_i is the largest lambda_ij (paper: unspecified)
             best = sim.masked_fill(~pair, float("-inf")).amax(-1)
             self._lam = (key, torch.where(best > tau, best, torch.zeros_like(best)))
-        return self._lam[1]
+        return self._lam[1][row_of]
 
 
 @register("skipkv")
@@ -192,7 +195,8 @@ class SkipKV(Scorer):
                   "Tian et al. 2025 (arXiv:2512.07993) Sec. 4.1, App. A.1-A.2: sigma 0.1, tau 0.95-0.99, every "
                   "128 steps; window 8 and kernel 7 from the official code")
     # sent: each token's sentence id; attach() yields on_tokens: the sentence table reads every new token
-    needs = Needs(meta={"sent": -1.0}, per_token_hook=True)
+    # stacks_layers: the sentence table is read through the rows its feeder selects, a row per view row
+    needs = Needs(meta={"sent": -1.0}, per_token_hook=True, stacks_layers=True)
     # protect_prompt False, the prompt competes for B: Sec. 4.3 Eq. 12 (padding of the prompt lowers the valid
     # budget, B' = B - pad) and the official code (skipkv/compression/skipkv.py update_kv cuts the whole
     # cache, prompt included, to B)

@@ -119,6 +119,18 @@ def write_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, keys
     value_cache[blk, heads, off] = values
 
 
+def write_slots(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+                slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """In place, in one scatter: slot ``slots[i]`` of kv head ``heads[i]`` of request ``rows[i]``
+    gets ``keys[i]``, ``values[i]`` ([P, D]); table: [R, blocks] each request's blocks."""
+    key_cache, value_cache = layout.key_value(kv_cache)
+    block_size = key_cache.shape[2]
+    blk = table[rows, torch.div(slots, block_size, rounding_mode="floor")]  # [P]
+    off = slots % block_size
+    key_cache[blk, heads, off] = keys
+    value_cache[blk, heads, off] = values
+
+
 def write_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor) -> None:
     """In place: the request's first ``K`` slots of one layer get ``keys``, ``values`` [H_kv, K, D]."""

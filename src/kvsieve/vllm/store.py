@@ -12,8 +12,10 @@ schedule then chooses every row's kept slots at once (``schedule.keep_set``: the
 ``protected_scores``'s sinks, recent window and protected prompt, the top ``keep`` or the
 scorer's own ``select``), with the count the scheduler fixed, equal in every (layer, kv head)
 (one block table per request: AMS Appendix E), and one scatter per layer writes them into each
-request's first slots (``paged.write_rows``), the positions and fields moving with them.  No
-method's math is written here.
+request's first slots (``paged.write_rows``), the positions and fields moving with them; for a
+scorer blind to slot order (``Needs.slot_order_free``) only the kept tokens beyond the count
+move, into the evicted slots below it, as kvsieve's in-place eviction moves them (``hole_moves``,
+``paged.write_slots``).  No method's math is written here.
 
 Scorers that observe attention rows get them recomputed here from the recorded queries: the
 newest row alone for TOVA (``Needs.observes_last_only``, batched), every row since the last
@@ -32,7 +34,7 @@ import torch
 from ..attention import attention_probs, visible
 from ..cache import DEAD_POS, LayerView
 from ..schedule import cross_layer_scores, keep_set, protected_scores
-from .paged import Layout, block_table, gather_rows, write_rows
+from .paged import Layout, block_table, gather_rows, write_rows, write_slots
 from .plan import Compaction
 
 
@@ -204,9 +206,10 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     policy: the ``kvsieve.policy.Policy`` served; caches: every layer's KV cache tensor, read
     through ``layout``; scalings: each layer's softmax scale; requests: each request's positions
     and fields (updated to its kept slots) and its compaction; rings: the requests' recorded
-    queries (None when the scorer reads none); before_scoring: called with each batch's request ids,
-    in its row order, before the batch is scored (the worker selects their rows of SkipKV's
-    sentence table, ``sentences.RequestSentences.select``); combine: where tensor-parallel workers
+    queries (None when the scorer reads none); before_scoring: called with the request id of every
+    row about to be scored, in row order (a stack of n layers: the batch's ids n times), before
+    they are scored (the worker selects their rows of SkipKV's sentence table,
+    ``sentences.RequestSentences.select``); combine: where tensor-parallel workers
     hold a layer's kv heads apart and the scorer combines them (``heads_combiner``), the
     combination of this worker's scores with the others'."""
     needs = policy.scorer.needs
@@ -228,9 +231,7 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
         while tries:
             batch = tries.pop()
             try:
-                if before_scoring is not None:
-                    before_scoring([c.req_id for _, c in batch])
-                _Batch(policy, layout, caches, batch).compress(scalings, rings, stack_bytes, combine)
+                _Batch(policy, layout, caches, batch).compress(scalings, rings, stack_bytes, combine, before_scoring)
             except Exception as err:  # noqa: BLE001: any failure is one request's, never the server's
                 if len(batch) > 1 and not isinstance(err, PartlyWritten):
                     tries += [[one] for one in batch]
@@ -257,8 +258,9 @@ class _Batch:
     request's padding slots are dead, at DEAD_POS and zero), its positions and fields beside them,
     its recorded queries as the row's recent queries.  kvsieve's schedule then scores every row at
     once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one scatter per layer writes each
-    request's kept slots into its own first slots (``paged.write_rows``), the slots' positions and
-    fields moving with them.  Each request keeps its ``keep`` (the same in the batch); the count
+    request's kept slots into its own first slots (``paged.write_rows``; for a slot-order-free
+    scorer only those beyond ``keep``, into the evicted ones: ``hole_moves``), the slots'
+    positions and fields moving with them.  Each request keeps its ``keep`` (the same in the batch); the count
     and the choice are per row, so a batch keeps what each request alone keeps.
 
     A scorer that reads nothing of a layer but its rows (``Needs.stacks_layers``) has several
@@ -382,7 +384,8 @@ class _Batch:
         return view, scores
 
     def compress(self, scalings: list[float], rings: Rings | None, stack_bytes: int = 0,
-                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 before_scoring: Callable[[list[str]], None] | None = None) -> None:
         """Every layer's keep-set, then every layer's kept slots written into the requests' first
         slots (nothing is written when scoring fails; the kept keys and values of every layer are
         held meanwhile, at most the requests' kept KV), then the states updated.  A cross-layer
@@ -391,31 +394,47 @@ class _Batch:
         policy, needs = self.policy, self.policy.scorer.needs
         # a scorer with its own count rule (LagKV) has no budget: keep_set checks its select keeps c.keep
         budget = policy.budget if needs.uses_budget else self.keep
+        req_ids = [c.req_id for c in self.cs]
+        if before_scoring is not None and needs.cross_layer:
+            before_scoring(req_ids)
         views = [self.read(range(layer, layer + 1), scalings[layer], rings) for layer in range(len(self.caches))] \
             if needs.cross_layer else None
         scores = None if views is None else cross_layer_scores(
             views, policy, self.seen, self.prompt_len if self.pinned is None else self.pinned)
         R, H, S = self.pos.shape[1:]
+        K, in_place = self.keep, needs.slot_order_free
         chosen, new_pos, new_fields = [], [], {name: [] for name in self.fields}
         for layers in self.stacks(scalings, rings, stack_bytes):  # every layer scored before any is written
             n = len(layers)
             rows = [None if t is None else t.repeat(n) for t in (self.seen, self.prompt_len, self.pinned)]
+            if before_scoring is not None and views is None:
+                before_scoring(req_ids * n)  # the stack's rows, layer-major
             if views is None:
                 view, scores = self.scored(layers, scalings[layers.start], rings, rows, combine)
             else:
                 view = views[layers.start]
             kept = keep_set(view, policy, budget, *rows, scores)  # [n * R, H, keep]
-            if kept.shape[-1] != self.keep:
-                raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned "
-                                   f"{self.keep}")
-            keys, values = (take(t, kept).view(n, R, H, self.keep, -1) for t in (view.keys, view.values))
-            chosen += zip(keys.unbind(0), values.unbind(0))  # [R, H, keep, D] each, per layer
-            new_pos += self.pos[layers.start:layers.stop].view(n * R, H, S).gather(-1, kept).view(n, R, H, -1).unbind(0)
-            for name in self.fields:  # a scorer may have replaced a field in the view's dict (AMS's credit)
-                new_fields[name] += view.meta[name].gather(-1, kept).view(n, R, H, -1).unbind(0)
+            if kept.shape[-1] != K:
+                raise RuntimeError(f"kvsieve: the schedule keeps {kept.shape[-1]} tokens, the scheduler planned {K}")
+            pos = self.pos[layers.start:layers.stop].view(n * R, H, S)
+            # a scorer may have replaced a field in the view's dict (AMS's credit)
+            slot_fields = [pos] + [view.meta[name] for name in self.fields]
+            if in_place:  # only the kept tokens at or beyond K move, into the evicted slots below K
+                row, head, dst, src = hole_moves(kept, S)
+                per_layer = torch.bincount(torch.div(row, R, rounding_mode="floor"), minlength=n).tolist()
+                moved = (row % R, head, dst, view.keys[row, head, src], view.values[row, head, src])  # [P], [P, D]
+                chosen += zip(*(t.split(per_layer) for t in moved))  # per layer
+                after = [moved_slots(t, row, head, dst, src, K) for t in slot_fields]  # [n * R, H, K] each
+            else:  # every kept token into the first K slots, in slot order
+                keys, values = (take(t, kept).view(n, R, H, K, -1) for t in (view.keys, view.values))
+                chosen += zip(keys.unbind(0), values.unbind(0))  # [R, H, K, D] each, per layer
+                after = [t.gather(-1, kept) for t in slot_fields]
+            new_pos += after[0].view(n, R, H, K).unbind(0)
+            for name, t in zip(self.fields, after[1:]):
+                new_fields[name] += t.view(n, R, H, K).unbind(0)
         try:
-            for cache, (keys, values) in zip(self.caches, chosen):
-                write_rows(self.layout, cache, self.table, keys, values)
+            for cache, part in zip(self.caches, chosen):
+                (write_slots if in_place else write_rows)(self.layout, cache, self.table, *part)
         except Exception as err:
             raise PartlyWritten(f"{type(err).__name__}: {err}") from err
         pos = torch.stack(new_pos, dim=1)  # [R, L, H, keep]
@@ -442,6 +461,28 @@ def heads_combiner(mode: str,
         return reduce(all_gather(scores[:, :1].contiguous())).expand_as(scores)
 
     return combine
+
+
+def hole_moves(kept: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot moves that leave each row's kept slots ``kept`` [N, H, K] (of ``length``) in its
+    first K slots, none of those already there moved, as kvsieve's in-place eviction leaves them
+    (``cache.SieveLayer.evict``): the i-th lowest evicted slot below K gets the i-th lowest kept
+    slot at or beyond K.  (row, head, dst, src), [P] each, ordered by row, then head."""
+    N, H, K = kept.shape
+    mask = torch.zeros(N, H, length, dtype=torch.bool).scatter_(-1, kept, True)
+    row, head, dst = (~mask[..., :K]).nonzero(as_tuple=True)
+    src_row, src_head, src = mask[..., K:].nonzero(as_tuple=True)
+    if not (torch.equal(row, src_row) and torch.equal(head, src_head)):
+        raise RuntimeError("kvsieve: a keep-set has not as many slots to fill as tokens to move")
+    return row, head, dst, src + K
+
+
+def moved_slots(t: torch.Tensor, row: torch.Tensor, head: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+                keep: int) -> torch.Tensor:
+    """Per-slot values t [N, H, S] after ``hole_moves``: [N, H, keep]."""
+    out = t[..., :keep].clone()
+    out[row, head, dst] = t[row, head, src]
+    return out
 
 
 def stack(parts: list[torch.Tensor]) -> torch.Tensor:
