@@ -44,12 +44,14 @@ from ..policy import About, Defaults, Needs, Scorer, register
 
 
 def rotate_back(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos - rotate_half(x) * sin`` (rotate-half layout: R_{-p} x for the angles of p), by
-    halves, [x1 c + x2 s, x2 c - x1 s]: bit for bit the same (a negation is exact) without
-    building rotate_half(x)."""
+    """``x * cos - rotate_half(x) * sin`` (rotate-half layout: R_{-p} x for the angles of p) as
+    [x1 c + x2 s, x2 c - x1 s] from the products x cos and x sin: bit for bit the same (a
+    negation is exact) without building rotate_half(x), in about half the time."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos[..., :half] + x2 * sin[..., :half], x2 * cos[..., half:] - x1 * sin[..., half:]], dim=-1)
+    out, with_sin = x * cos, x * sin
+    out[..., :half] += with_sin[..., half:]
+    out[..., half:] -= with_sin[..., :half]
+    return out
 
 
 def standard_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
