@@ -183,7 +183,8 @@ class ExpectedAttention(Scorer):
             # deviation: kvpress starts at the number of buffered hidden states, which in decoding is
             # not the row's position; [24] averages over the positions after the current one
             future = seen_tokens[:, None] + torch.arange(self.n_future, device=keys.device)  # [B, n_future]
-            cos_bar, sin_bar = per_distinct_row(future, lambda p: tuple(t.mean(dim=1) for t in rope_angles(p, inv_freq)))
+            cos_bar, sin_bar = per_distinct_row(  # [B, D], the mean over the future positions
+                future, lambda p: tuple(t.mean(dim=1) for t in rope_angles(p, inv_freq)))
             keys = rotate_back(keys, cos_bar[:, None, None], sin_bar[:, None, None])  # R_bar^T k; [B, 1, 1, D] angles
         G = mean.shape[1] // H
         mean, cov = mean.view(B, H, G, D), cov.view(B, H, G, D, D)

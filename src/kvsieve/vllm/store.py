@@ -260,8 +260,8 @@ class _Batch:
     once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one scatter per layer writes each
     request's kept slots into its own first slots (``paged.write_rows``; for a slot-order-free
     scorer only those beyond ``keep``, into the evicted ones: ``hole_moves``), the slots'
-    positions and fields moving with them.  Each request keeps its ``keep`` (the same in the batch); the count
-    and the choice are per row, so a batch keeps what each request alone keeps.
+    positions and fields moving with them.  Each request keeps its ``keep`` (the same in the
+    batch); the count and the choice are per row, so a batch keeps what each request alone keeps.
 
     A scorer that reads nothing of a layer but its rows (``Needs.stacks_layers``) has several
     layers scored as one view of [n * R] rows, layer-major (``stacks``): one scoring for them all
