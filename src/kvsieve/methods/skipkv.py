@@ -29,7 +29,8 @@ norm's output (the last-layer hidden states) with a read-only forward hook scope
 second forward pass, nothing global.  Inside vLLM the worker feeds one table for all its
 requests and hands it over with ``read_sentences`` (``kvsieve.vllm.sentences``).
 (``output_hidden_states=-1`` would need the engine's model call to change and makes transformers
-keep capture hooks on every decoder layer for the model's lifetime.)  If a wrapper does not forward ``attach``, P stays empty and a warning says so.
+keep capture hooks on every decoder layer for the model's lifetime.)  If a wrapper does not
+forward ``attach``, P stays empty and a warning says so.
 Sentence token sets: ``_sentences.py`` (shared with adaptive steering, ``kvsieve.steering``);
 batch grouping: ``kvsieve.data.batching``.
 """

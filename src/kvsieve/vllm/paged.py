@@ -109,20 +109,17 @@ def write_rows(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, keys
     """In place, in one scatter: request ``r``'s first ``K`` slots of one layer get ``keys[r]``,
     ``values[r]`` ([R, H_kv, K, D]); table: [R, blocks] each request's blocks (``block_table``;
     requests hold disjoint blocks)."""
-    key_cache, value_cache = layout.key_value(kv_cache)
     R, H, K = keys.shape[:3]
-    slot = torch.arange(K, device=keys.device)
-    blk = table[:, torch.div(slot, key_cache.shape[2], rounding_mode="floor")][:, None, :]  # [R, 1, K]
-    off = (slot % key_cache.shape[2])[None, None, :]  # [1, 1, K]
-    heads = torch.arange(H, device=keys.device)[None, :, None]  # [1, H, 1]: the three index [R, H, K]
-    key_cache[blk, heads, off] = keys
-    value_cache[blk, heads, off] = values
+    rows, heads, slots = (torch.arange(n, device=keys.device).view(shape) for n, shape in
+                          ((R, (R, 1, 1)), (H, (1, H, 1)), (K, (1, 1, K))))  # broadcast to [R, H, K]
+    write_slots(layout, kv_cache, table, rows, heads, slots, keys, values)
 
 
 def write_slots(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
                 slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """In place, in one scatter: slot ``slots[i]`` of kv head ``heads[i]`` of request ``rows[i]``
-    gets ``keys[i]``, ``values[i]`` ([P, D]); table: [R, blocks] each request's blocks."""
+    gets ``keys[i]``, ``values[i]`` ([P, D]; or indices that broadcast to one shape, [..., D]);
+    table: [R, blocks] each request's blocks."""
     key_cache, value_cache = layout.key_value(kv_cache)
     block_size = key_cache.shape[2]
     blk = table[rows, torch.div(slots, block_size, rounding_mode="floor")]  # [P]
