@@ -47,8 +47,7 @@ def register(name: str):
 
 @dataclass(frozen=True)
 class About:
-    """What ``kvsieve methods`` prints for a method: one line of what it does, and where its
-    defaults come from (paper sections, official code)."""
+    """What ``kvsieve methods`` prints: what a method does, where its defaults come from."""
 
     summary: str = ""
     source: str = ""
@@ -62,10 +61,9 @@ class Needs:
         Per-token state fields, each with the value new tokens start with; moved with K/V.
     kv_fields, kv_sums : tuple[str, ...]
         Per-token K/V statistics at append (``cache.KV_FIELDS``), running sums over live tokens (``cache.KV_SUMS``).
-    observes : bool
-        ``observe()`` gets every step's attention rows.
-    observes_last_only : bool
-        Only the newest query's attention is kept (TOVA): steps between compressions skip it.
+    observes : bool; observes_last_only : bool
+        ``observe()`` gets every step's attention rows, or only the newest query's (TOVA: steps
+        between compressions skip it).
     observes_steps : bool
         ``observe(..., steps=True)`` takes T decode steps' rows in one call and leaves the state T
         calls of one row leave (vLLM's worker replays a request's queries since a compaction so).
@@ -78,9 +76,10 @@ class Needs:
         The token texts that end a sentence (SkipKV's delimiter set D) for a scorer that reads a
         ``methods.skipkv.SentenceTable`` (each token's sentence, each sentence's last-layer hidden
         states), fed by ``attach`` or handed over by ``read_sentences`` (vLLM's worker); empty for the rest.
-    slot_order_free : bool
-        Scores are per token, blind to slot neighbours (no pooling, no partitions): the engine may
-        evict in place (``SieveLayer.evict``), moving the newest tokens into freed slots.
+    slot_order_free : bool; selects : bool
+        What is kept does not depend on the slot order (per-token scores, or neighbours read by
+        position: AMS): engines may move kept tokens into freed slots (``SieveLayer.evict``).  Unless
+        ``select`` makes the keep-set (``selects``: AMS, LagKV), kvsieve's may drop by scores alone.
     aligned_heads : bool
         Scores are combined across kv heads slot by slot, which needs every head of a layer to
         hold the same tokens (so no ragged per-head allocator).
@@ -121,6 +120,7 @@ class Needs:
     per_token_hook: bool = False
     sentences: tuple[str, ...] = ()
     slot_order_free: bool = False
+    selects: bool = False
     aligned_heads: bool = False
     heads_combined_by: str = ""
     whole_layers: int = 0

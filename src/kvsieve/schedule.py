@@ -421,8 +421,9 @@ class Schedule:
         scorer = policy.scorer
         self.observer = observer(policy)  # the attention-row callback for the attention function
         # Every-step policies that may drop tokens in place do so inside the step.
-        self.evicts_in_step = (scorer is not None and scorer.needs.slot_order_free and policy.interval == 1
-                               and not policy.allocator.ragged_heads and not scorer.needs.cross_layer)
+        self.evicts_in_step = (scorer is not None and scorer.needs.slot_order_free and not scorer.needs.selects
+                               and policy.interval == 1 and not policy.allocator.ragged_heads
+                               and not scorer.needs.cross_layer)
         self.steps = 0  # decode steps done
 
     # ------------------------------------------------------------------ when

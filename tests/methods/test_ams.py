@@ -266,6 +266,44 @@ def test_every_head_keeps_exactly_t_keep_with_sinks_and_recent_and_kv_moved(orde
                 assert torch.equal(layer.keys[b, h, s], before[(b, h, p)])  # K moved with its position
 
 
+@pytest.mark.parametrize("order", ["sec3.3", "alg1"])
+@pytest.mark.parametrize("base", ["tova", "keydiff"])
+def test_kept_tokens_do_not_depend_on_the_slot_order(order, base):
+    """Pooling, segments and quotas read neighbours by position (vLLM's worker moves kept tokens
+    into freed slots, ``Needs.slot_order_free``): the same cache with its live slots shuffled in
+    every head keeps the same positions, with their keys, as the cache in position order."""
+    policy = make_policy(f"ams:{base}", budget=16, sinks=2, recent=3, interval=4, mass_window=6, delta=0.2,
+                         l_min=2, l_max=8, order=order)
+    assert policy.scorer.needs.slot_order_free and policy.scorer.needs.selects
+    ordered, seen = small_cache(policy, seed=3)
+    shuffled, _ = small_cache(policy, seed=3)
+    n = shuffled.lengths  # [B, H] live slots, a prefix of each head
+    cap = shuffled.capacity
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.stack([torch.cat([torch.randperm(int(n[b, h]), generator=g),
+                                               torch.arange(int(n[b, h]), cap)]) for h in range(H)]) for b in range(B)])
+    shuffled.compact(idx, n, capacity=cap, max_len=shuffled.max_len)
+    assert not torch.equal(shuffled.meta["pos"], ordered.meta["pos"])
+    for layer in (ordered, shuffled):
+        compress_layer(layer, policy, 16, seen)
+    for b in range(B):
+        for h in range(H):
+            want = dict(zip(ordered.meta["pos"][b, h, :16].tolist(), ordered.keys[b, h, :16]))
+            got = dict(zip(shuffled.meta["pos"][b, h, :16].tolist(), shuffled.keys[b, h, :16]))
+            assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[p], want[p]) for p in want)
+
+
+def test_kvsieve_engine_never_drops_ams_tokens_by_scores_alone():
+    """AMS's keep-set is its ``select``'s: an every-step AMS is not evicted inside the step."""
+    from kvsieve.schedule import Schedule
+    policy = make_policy("ams:tova", budget=16, sinks=2, recent=3, interval=1)
+    layer, _ = small_cache(policy)
+    assert not Schedule(policy, SimpleNamespace(layers=[layer]), horizon=64).evicts_in_step
+    tova = make_policy("tova", budget=16, sinks=2, recent=3, interval=1)
+    assert Schedule(tova, SimpleNamespace(layers=[layer]), horizon=64).evicts_in_step
+
+
 def test_credit_is_the_ema_of_the_mass_and_new_tokens_enter_at_zero():
     policy = make_policy("ams:keydiff", budget=16, sinks=2, recent=3, interval=4, mass_window=6, ema_lambda=0.6)
     layer, seen = small_cache(policy)

@@ -26,9 +26,9 @@ from typing import ClassVar
 
 import torch
 
+from ..cache import DEAD_POS
 from ..checks import check_fields
 from ..policy import check_choice
-from ..schedule import indices_from_mask
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -207,19 +207,20 @@ class SegmentQuotas:
         check_choice(self.segmentation, self.SEGMENTATIONS, "mass segments segmentation")
         check_choice(self.order, self.ORDERS, "mass segments order")
 
-    def keep_mask(self, mass: torch.Tensor, scores: torch.Tensor, live: torch.Tensor, budget,
+    def keep_mask(self, mass: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor, budget,
                   raw: torch.Tensor | None = None) -> torch.Tensor:
         """Keep mask [B, H, cap] of exactly min(T_keep, live count) tokens per (row, kv head),
-        read in position order (live slots are in position order).
+        read in position order whatever order the slots hold them in.
 
         mass [B, H, cap]: the per-token mass (steps 1-2); scores [B, H, cap]: the policy's scores
-        (+inf on the must-keep sinks and recent suffix, -inf on dead slots); live [B, H, cap];
-        budget: T_keep, an int or per-row counts [B, 1] (a protected prompt,
+        (+inf on the must-keep sinks and recent suffix, -inf on dead slots); pos [B, H, cap]: each
+        slot's position, DEAD_POS on dead slots; budget: T_keep, an int or per-row counts [B, 1] (a protected prompt,
         ``Policy.protect_prompt``); raw [B, H, cap]: the base's own scores g, by which
         ``order="alg1"`` ranks the must-keep tokens too (Alg. 1 line 32; default ``scores``).
         """
-        slots, n = indices_from_mask(live, live.shape[-1])  # [B, H, cap] live slots first, [B, H]
-        valid = torch.arange(live.shape[-1], device=live.device) < n[..., None]
+        slots = pos.argsort(dim=-1, stable=True)  # [B, H, cap] slots by position, dead slots (DEAD_POS) last
+        n = (pos != DEAD_POS).sum(dim=-1)  # [B, H] live tokens
+        valid = torch.arange(pos.shape[-1], device=pos.device) < n[..., None]
         mass = mass.gather(-1, slots) * valid
         must = (scores == float("inf")).gather(-1, slots) & valid  # the policy's sinks + recent
         sink = must.long().cumprod(dim=-1).bool()  # the must-keep run from position 0

@@ -73,6 +73,7 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
     ``probs`` must be zero where a query did not see a key and on padding queries' rows (as
     ``window_attention`` returns them), so the masked observations are counted, never gathered:
     sum over queries of (observed ? p : max) = sum of p + max * (real queries that missed the key).
+    Slots may hold the tokens in any order: the pooling reads neighbours by position.
     """
     real = query_pos != DEAD_POS  # [B, w]
     n_real = real.sum(dim=-1).clamp(min=1)[:, None, None, None]  # [B, 1, 1, 1]
@@ -81,7 +82,9 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
         window_max = probs.amax(dim=(-1, -2))[..., None]  # [B, H, G, 1]
         total = total + window_max * missed_by(query_pos, key_pos)[:, :, None]  # dead keys: every query missed them
     usage = reduce_group(total / n_real, head_reduction)  # [B, H, S]
-    usage = pool_along_sequence(usage, live, kernel, "avg")
+    order = key_pos.argsort(dim=-1, stable=True)  # [B, H, S] slots by position, dead slots (DEAD_POS) last
+    pooled = pool_along_sequence(usage.gather(-1, order), live.gather(-1, order), kernel, "avg")
+    usage = torch.empty_like(usage).scatter_(-1, order, pooled)
     if padding == "suffix":  # deviation: released code pads with one max over the whole batch (.item())
         first = query_pos.masked_fill(query_pos == DEAD_POS, torch.iinfo(torch.long).max).amin(dim=1)  # [B]
         top = usage.masked_fill(~live, float("-inf")).amax(dim=-1, keepdim=True)
@@ -184,12 +187,14 @@ class AMS(WrappingScorer):
         check_choice(self.mass_reduction, HEAD_REDUCTIONS, f"{self.prefix} mass_reduction")
         check_choice(self.padding, ("missing", "suffix"), f"{self.prefix} padding")
         self.allocation = SegmentQuotas(self.delta, self.l_min, self.l_max, self.q_min, self.segmentation, self.order)
-        # Segments and quotas read slots in position order, and every kv head keeps its own tokens
-        # (Sec. 3.1): a base that aligns heads is asked per kv head (``score``)
+        # Every kv head keeps its own tokens (Sec. 3.1): a base that aligns heads is asked per kv head
+        # (``score``).  Pooling, segments and quotas sort the slots by position, so the slot order
+        # is free when the base's scores are; the keep-set is ``select``'s, never the scores' alone
         self.wrap(self.prefix, inner, example="expected",
                   meta={**inner.needs.meta, **({CREDIT: 0.0} if self.use_credit else {})},
                   query_window=max(self.mass_window, inner.needs.query_window), attends_window=True,
-                  slot_order_free=False, aligned_heads=False, heads_combined_by="",
+                  slot_order_free=inner.needs.slot_order_free, selects=True,
+                  aligned_heads=False, heads_combined_by="",
                   # the released code's batch-mean segments and batch-wide suffix maximum read every row
                   rows_coupled=inner.needs.rows_coupled or self.segmentation == "batch" or self.padding == "suffix",
                   # Alg. 1's order keeps the base's scores per layer index between score and select
@@ -223,7 +228,7 @@ class AMS(WrappingScorer):
         """Steps 1-2 here (the mass), steps 3-5 by ``self.allocation``: the keep mask of every
         (row, kv head)."""
         raw = self._raw.pop(layer.layer_idx, None)  # order="alg1": the base's own scores
-        mask = self.allocation.keep_mask(self.mass(layer), scores, layer.live(), budget, raw)
+        mask = self.allocation.keep_mask(self.mass(layer), scores, layer.meta["pos"], budget, raw)
         # a protected prompt makes budget a [B, 1] tensor of per-row counts (Policy.protect_prompt)
         return mask, min(layer.max_len, budget) if isinstance(budget, int) else None
 

@@ -193,7 +193,7 @@ class LagKV(Scorer):
                   "off_grid=true (in_paper_grid=False and fit_note in the rows)")
     # no budget: select() keeps partitions; a budget is mapped to (L, r) by fit_budget
     # count_rule (set in __post_init__): every kv head keeps Eq. (10)'s count of the length, kept_after
-    needs = Needs(uses_budget=False, fitted_fields=("lag", "ratio", "in_paper_grid", "fit_note"))
+    needs = Needs(uses_budget=False, selects=True, fitted_fields=("lag", "ratio", "in_paper_grid", "fit_note"))
     # protect_prompt False: Sec. 2.2, Fig. 1: partitions run over prompt and output alike (refused if set)
     defaults = Defaults(sinks=16, protect_prompt=False)
     sinks: int = 16
