@@ -42,6 +42,7 @@ METHODS = {
     "lazy": {},
     "raas": {},
     "ams:expected": {},
+    "ams:tova": {},  # the served benchmark's AMS
     "lagkv": {"budget": 128, "options": {"off_grid": True}},
     "localkv": {"budget": None, "options": {"lag": 32}},
     # CAOTE on TOVA's scores, FastCAOTE on H2O's: the prompt read in blocks of 128 (vLLM's prefill chunks,
