@@ -22,8 +22,9 @@ mask inside a prefill chunk.  Every piece of per-token state is moved by the sam
 (``SieveLayer.compact``), so nothing can drift out of step with K/V.
 
 Slots hold tokens in position order, except after ``evict``: a scorer that declares
-``slot_order_free`` (its scores do not depend on which slot neighbours which) lets the engine
-drop a few tokens in place by moving the newest tokens into the freed slots.
+``slot_order_free`` (what it keeps does not depend on which slot neighbours which) and chooses by
+its scores alone (no ``Needs.selects``) lets the engine drop a few tokens in place by moving the
+newest tokens into the freed slots.
 
 Capacity is a host-side integer.  Appends grow it in chunks; compaction gathers into a
 new, smaller tensor, so evicted memory is really returned; ``evict`` keeps the allocation

@@ -15,7 +15,8 @@ A keep-set comes in one of two forms (both [B, H_kv, ...], vectorised over rows 
 * **in place** ``evict(drop_idx [B, H_kv, m], drop_count [B, H_kv], max_len)``: the first
   ``drop_count`` of ``drop_idx`` (distinct live slots) are dropped; the live tokens of the tail
   that are not dropped move into the holes below the new length, the lowest tail slot into the
-  lowest hole.  Chosen only for scorers that declare ``Needs.slot_order_free``.
+  lowest hole.  Chosen only for scorers that declare ``Needs.slot_order_free`` and keep the
+  top of their scores (no ``Needs.selects``).
 
 Both leave the same tokens in the same slots on every store, so two stores give the same
 greedy tokens (``tests/test_engine.py``).  Per-token state (positions, declared fields) moves

@@ -214,9 +214,9 @@ class SegmentQuotas:
 
         mass [B, H, cap]: the per-token mass (steps 1-2); scores [B, H, cap]: the policy's scores
         (+inf on the must-keep sinks and recent suffix, -inf on dead slots); pos [B, H, cap]: each
-        slot's position, DEAD_POS on dead slots; budget: T_keep, an int or per-row counts [B, 1] (a protected prompt,
-        ``Policy.protect_prompt``); raw [B, H, cap]: the base's own scores g, by which
-        ``order="alg1"`` ranks the must-keep tokens too (Alg. 1 line 32; default ``scores``).
+        slot's position, DEAD_POS on dead slots; budget: T_keep, an int or per-row counts [B, 1]
+        (a protected prompt, ``Policy.protect_prompt``); raw [B, H, cap]: the base's own scores g,
+        by which ``order="alg1"`` ranks the must-keep tokens too (Alg. 1 line 32; default ``scores``).
         """
         slots = pos.argsort(dim=-1, stable=True)  # [B, H, cap] slots by position, dead slots (DEAD_POS) last
         n = (pos != DEAD_POS).sum(dim=-1)  # [B, H] live tokens
