@@ -16,7 +16,7 @@ from kvsieve.attention import StepState, sieve_attention, window_attention
 from kvsieve.cache import DEAD_POS, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
 from kvsieve.methods.ams import CREDIT, ema_credit, missed_by, quality_mass
-from kvsieve.schedule import compress_layer, indices_from_mask
+from kvsieve.schedule import Schedule, compress_layer, indices_from_mask
 from kvsieve.methods._segments import (SegmentQuotas, allocate_quotas, fill_to_budget, segment_ids, segment_starts,
                               top_per_segment)
 
@@ -296,7 +296,6 @@ def test_kept_tokens_do_not_depend_on_the_slot_order(order, base):
 
 def test_kvsieve_engine_never_drops_ams_tokens_by_scores_alone():
     """AMS's keep-set is its ``select``'s: an every-step AMS is not evicted inside the step."""
-    from kvsieve.schedule import Schedule
     policy = make_policy("ams:tova", budget=16, sinks=2, recent=3, interval=1)
     layer, _ = small_cache(policy)
     assert not Schedule(policy, SimpleNamespace(layers=[layer]), horizon=64).evicts_in_step
