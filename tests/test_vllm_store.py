@@ -525,6 +525,42 @@ def test_requests_of_one_count_are_scored_in_one_call_per_layer_or_for_every_lay
         assert calls == expected, (method, stack_bytes)
 
 
+def test_a_batch_whose_one_layer_outgrows_the_bound_is_split_and_keeps_the_same_tokens(monkeypatch):
+    """Where one layer's largest scoring tensor for a step's requests takes more than
+    ``stack_bytes``, they are compressed in batches of fewer requests (``split_rows``), each
+    keeping the tokens the whole batch keeps.  TOVA's gathered keys (more than its newest attention
+    rows) take 4 bytes x 2 kv heads x S slots x 8 dimensions a request: 2,560 bytes at the first
+    compaction (S = 40), 1,920 at the second (S = 30).  So under 4,000 bytes the three requests are
+    compressed one at a time at the first (two take 5,120 bytes), one layer a call, and at the
+    second as one (the last batch first, its two layers stacked: 3,840 bytes), then two, one layer
+    a call."""
+    import kvsieve.vllm.store as store
+
+    calls = []
+    real = store.keep_set
+    monkeypatch.setattr(store, "keep_set", lambda layer, *args: calls.append(layer.keys.shape[0]) or real(layer, *args))
+    requests = _pool_requests(5)
+    kept = {}
+    for stack_bytes in (0, 4000):
+        calls.clear()
+        settings = SieveSettings.from_config({"method": "tova", "budget": BUDGET})
+        _, states = _compress_all(settings.policy, settings.query_window(max_model_len=64), requests, True, stack_bytes)
+        kept[stack_bytes] = [(state.pos, state.fields) for state in states]
+        assert calls == ([3] * L * 2 if stack_bytes == 0 else [1] * 3 * L + [2] + [2] * L), stack_bytes
+    for (pos_a, fields_a), (pos_b, fields_b) in zip(kept[0], kept[4000]):
+        assert torch.equal(pos_a, pos_b)
+        assert all(torch.equal(fields_a[name], fields_b[name]) for name in fields_a)
+
+
+def test_split_rows_makes_as_few_near_equal_batches_as_the_bound_allows():
+    from kvsieve.vllm.store import split_rows
+
+    assert split_rows(100, list(range(7)), 0) == [list(range(7))]  # 0: no bound
+    assert split_rows(100, list(range(7)), 100) == [list(range(7))]
+    assert split_rows(100, list(range(7)), 30) == [[0, 1], [2, 3], [4, 5], [6]]  # 4 parts of at most 25 bytes
+    assert split_rows(100, [0, 1], 10) == [[0], [1]]  # a request alone where even one takes more
+
+
 @pytest.mark.parametrize("config", [
     {"method": "streaming", "protect_prompt": True, "budget": 8},
     {"method": "tova", "protect_prompt": True, "budget": 8},

@@ -62,8 +62,7 @@ class Needs:
     kv_fields, kv_sums : tuple[str, ...]
         Per-token K/V statistics at append (``cache.KV_FIELDS``), running sums over live tokens (``cache.KV_SUMS``).
     observes : bool; observes_last_only : bool
-        ``observe()`` gets every step's attention rows, or only the newest query's (TOVA: steps
-        between compressions skip it).
+        ``observe()`` gets every step's attention rows, or only the newest query's (TOVA: steps between compressions skip it).
     observes_steps : bool
         ``observe(..., steps=True)`` takes T decode steps' rows in one call and leaves the state T
         calls of one row leave (vLLM's worker replays a request's queries since a compaction so).
@@ -103,10 +102,10 @@ class Needs:
         scores (TriAttention's ``per_head``, ``Schedule.compress_across_layers``).
     rows_coupled : bool
         A row's scores read other rows (AMS's released batch segmentation): vLLM scores it alone.
-    stacks_layers : bool
-        ``observe``, ``score`` and ``select`` read nothing of a layer but its rows (no layer index,
-        random draw or state between calls; SkipKV's table is selected per row): rows of several
-        layers may be scored as one batch (vLLM's worker, ``store._Batch``).
+    stacks_layers : bool; compares_keys : bool
+        ``observe``, ``score`` and ``select`` read nothing of a layer but its rows (no layer index, random draw
+        or state between calls; SkipKV's table is selected per row): vLLM's worker may score several layers'
+        rows as one batch (``store._Batch``), sized by a key similarity [S, S] where ``compares_keys`` (R-KV, SkipKV).
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -131,6 +130,7 @@ class Needs:
     cross_layer: bool = False
     rows_coupled: bool = False
     stacks_layers: bool = False
+    compares_keys: bool = False
 
     @property
     def fits_budget(self) -> bool:

@@ -91,7 +91,8 @@ class RKV(Scorer):
         check_choice(self.head_reduction, RKV_HEAD_REDUCTIONS, "rkv head_reduction")
         check_threshold(self.partner_threshold, "rkv partner_threshold")
         self.defaults = replace(self.defaults, recent=self.window)  # the window's own tokens are kept
-        self.needs = replace(self.needs, query_window=self.window, stacks_layers=True)
+        self.needs = replace(self.needs, query_window=self.window, stacks_layers=True,
+                             compares_keys=True)
 
     def redundancy(self, layer) -> torch.Tensor:
         """[B, H_kv, cap]: softmax over live tokens of each key's mean cosine similarity to the

@@ -197,7 +197,7 @@ class SkipKV(Scorer):
                   "128 steps; window 8 and kernel 7 from the official code")
     # sent: each token's sentence id; attach() yields on_tokens: the sentence table reads every new token
     # stacks_layers: the sentence table is read through the rows its feeder selects, a row per view row
-    needs = Needs(meta={"sent": -1.0}, per_token_hook=True, stacks_layers=True)
+    needs = Needs(meta={"sent": -1.0}, per_token_hook=True, stacks_layers=True, compares_keys=True)
     # protect_prompt False, the prompt competes for B: Sec. 4.3 Eq. 12 (padding of the prompt lowers the valid
     # budget, B' = B - pad) and the official code (skipkv/compression/skipkv.py update_kv cuts the whole
     # cache, prompt included, to B)

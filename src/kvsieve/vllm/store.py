@@ -38,11 +38,17 @@ from .paged import Layout, block_table, gather_rows, write_rows, write_slots
 from .plan import Compaction
 
 
-# The most one stacked scoring's largest tensor may take (``_Batch.stacks``): attention rows of
-# every stacked layer at once.  Stacking pays where a compaction is many small calls: one request
-# on SmolLM2-135M (30 layers) compacts in about half the time with 4 MiB stacks (13 layers of
-# 0.3 MiB); 16 requests (5 MiB a layer) gain nothing and lose with larger stacks, whose tensors
-# outgrow the cache (scripts/compaction_bench.py, results/compaction-stacked.json).
+# The most one scoring's largest tensor (keys, attention rows or a key similarity: ``layer_bytes``)
+# may take: of every stacked layer at once (``_Batch.stacks``), or of one layer's rows where those
+# alone take more (``split_rows``).
+# Stacking pays where a compaction is many small calls: one request on SmolLM2-135M (30 layers)
+# compacts in about half the time with 4 MiB stacks (13 layers of 0.3 MiB); 16 requests (5 MiB a
+# layer) gain nothing and lose with larger stacks, whose tensors outgrow the cache
+# (scripts/compaction_bench.py, results/compaction-stacked.json).  Splitting pays where one layer's
+# rows take more: H2O's replayed rows of 64 requests (12 MiB a layer) take about twice as long
+# per element as those of 32, each new tensor that large being fresh pages from the system
+# (glibc's mmap and trim thresholds), and 64 requests' keys (8 MiB) gather slower than twice 32's
+# (docs/vllm-design.md, "Rows split").
 STACK_BYTES = 4 * 2**20
 
 
@@ -192,7 +198,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     (layer, kv head): requests that keep the same count and hold as many recorded queries are
     compressed together (``_Batch``: per layer one gather and one write for all of them, and one
     scoring for all of them and, where the scorer allows, for several layers: ``_Batch.stacks``
-    under ``stack_bytes``, 0 for one layer at a time); a replaying scorer's requests also replay
+    under ``stack_bytes``, 0 for one layer and every row at a time; where one layer's rows alone
+    take more than ``stack_bytes``, in batches of fewer requests: ``split_rows``); a replaying
+    scorer's requests also replay
     as many queries, none of them a prompt's (``replay_shape``), and a scorer whose rows read each
     other (``Needs.rows_coupled``: AMS's batch segmentation) has its requests compressed one at a
     time.
@@ -227,7 +235,7 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
         groups.setdefault(key, []).append((state, c))
     failed: dict[str, str] = {}
     for group in groups.values():
-        tries = [group]
+        tries = split_rows(layer_bytes(policy, layout, caches, group, rings), group, stack_bytes)
         while tries:
             batch = tries.pop()
             try:
@@ -296,23 +304,12 @@ class _Batch:
     def stacks(self, scalings: list[float], rings: Rings | None, stack_bytes: int) -> list[range]:
         """The layers scored together, as runs: one layer each, unless the scorer stacks layers
         (``Needs.stacks_layers``), when runs of one softmax scale hold as many layers as keep the
-        largest attention-rows tensor of a run under ``stack_bytes`` (its rows [n * R, H_q, T, S]
-        for T queries, its window's queries [n * R, H_q, T, D] for a scorer that does not attend
-        them (``Needs.attends_window``), or a key-similarity [n * R, H_kv, S, S])."""
+        largest scoring tensor of a run (n times one layer's, ``layer_bytes``) under ``stack_bytes``."""
         needs, L = self.policy.scorer.needs, len(self.caches)
         if not needs.stacks_layers or needs.cross_layer or stack_bytes <= 0:
             return [range(layer, layer + 1) for layer in range(L)]
-        R, H, S = self.pos.shape[1:]
-        queries = 1
-        if needs.observes and not needs.observes_last_only:
-            queries = int((self.seen - self.since).max())
-        elif needs.query_window and rings is not None:
-            queries = min(needs.query_window, rings.held(self.cs[0].req_id))
-        heads_q = rings.heads() if rings is not None else H
-        head_dim = self.layout.key_value(self.caches[0])[0].shape[-1]
-        per_query = S if needs.attends_window or not needs.query_window else head_dim
-        per_layer = R * 4 * max(heads_q * max(queries, 1) * per_query, H * S * S)
-        most = max(1, min(L, stack_bytes // per_layer))
+        most = max(1, min(L, stack_bytes // layer_bytes(self.policy, self.layout, self.caches,
+                                                        list(zip(self.states, self.cs)), rings)))
         runs, start = [], 0
         for layer in range(1, L + 1):
             if layer == L or layer - start == most or scalings[layer] != scalings[start]:
@@ -443,6 +440,39 @@ class _Batch:
             state.pos = pos[r]
             state.fields = {name: t[r] for name, t in fields.items()}
             state.next_pos = c.logical_len
+
+
+def layer_bytes(policy, layout: Layout, caches: list[torch.Tensor], requests: list[tuple[RequestState, Compaction]],
+                rings: Rings | None) -> int:
+    """Bytes of the largest tensor scoring one layer of ``requests`` together takes: their keys
+    [R, H_kv, S, D] (as their values), attention rows [R, H_q, T, S] for T queries (the most any of them replays, or its window),
+    their window's queries [R, H_q, T, D] for a scorer that does not attend them
+    (``Needs.attends_window``), or a key similarity [R, H_kv, S, S] (``Needs.compares_keys``); S the
+    longest KV length."""
+    needs = policy.scorer.needs
+    R, H, S = len(requests), caches[0].shape[1], max(c.kv_len for _, c in requests)
+    queries = 1
+    if needs.observes and not needs.observes_last_only:
+        queries = max(c.logical_len - state.next_pos for state, c in requests)
+    elif needs.query_window and rings is not None:
+        queries = min(needs.query_window, rings.held(requests[0][1].req_id))
+    heads_q = rings.heads() if rings is not None else H
+    head_dim = layout.key_value(caches[0])[0].shape[-1]
+    per_query = S if needs.attends_window or not needs.query_window else head_dim
+    return R * 4 * max(H * S * head_dim, heads_q * max(queries, 1) * per_query, H * S * S if needs.compares_keys else 0)
+
+
+def split_rows(group_bytes: int, group: list, stack_bytes: int) -> list[list]:
+    """``group``'s requests in as few batches of near-equal size as keep one layer's largest
+    scoring tensor (``group_bytes`` for the whole group: ``layer_bytes``, the same for each
+    request) under ``stack_bytes`` (0: no bound), a request alone where even one takes more.  A
+    batch keeps what each of its requests keeps alone (``_Batch``), so the split changes only the
+    size of the tensors: large ones are fresh pages each time, smaller ones are reused
+    (``STACK_BYTES``)."""
+    most = len(group) if stack_bytes <= 0 else max(1, stack_bytes * len(group) // max(group_bytes, 1))
+    parts = -(-len(group) // most)
+    size = -(-len(group) // parts)
+    return [group[i:i + size] for i in range(0, len(group), size)]
 
 
 def heads_combiner(mode: str,
