@@ -552,6 +552,31 @@ def test_a_batch_whose_one_layer_outgrows_the_bound_is_split_and_keeps_the_same_
         assert all(torch.equal(fields_a[name], fields_b[name]) for name in fields_a)
 
 
+@pytest.mark.parametrize("method", ["h2o", "lazy"])
+def test_first_compactions_of_prompts_alike_replay_together_and_keep_what_each_keeps_alone(method, monkeypatch):
+    """Requests whose first compaction replays a prompt of the same length up to the same position
+    (``replay_shape``) are scored as one batch, three rows in one call per layer at both
+    compactions, and keep the very tokens and fields each keeps alone."""
+    import sys
+
+    import kvsieve.vllm.store as store
+
+    monkeypatch.setattr(sys.modules[__name__], "TOGETHER", [(40, 30)] * 3)  # three prompts of 30, 40 tokens each
+    calls = []
+    real = store.keep_set
+    monkeypatch.setattr(store, "keep_set", lambda layer, *args: calls.append(layer.keys.shape[0]) or real(layer, *args))
+    config = {"method": method, "budget": BUDGET, **CASES.get(method, {})}
+    settings, requests = SieveSettings.from_config(config), _pool_requests(13)
+    ring = settings.query_window(max_model_len=64)
+    _, together = _compress_all(settings.policy, ring, requests, True, 0)  # one layer at a time: a call per layer
+    assert calls == [3] * L * 2, calls
+    _, alone = _compress_all(SieveSettings.from_config(config).policy, ring, requests, False)
+    for a, b in zip(together, alone):
+        assert torch.equal(a.pos, b.pos)
+        for name in a.fields:
+            torch.testing.assert_close(a.fields[name], b.fields[name], rtol=1e-5, atol=1e-6)
+
+
 def test_split_rows_makes_as_few_near_equal_batches_as_the_bound_allows():
     from kvsieve.vllm.store import split_rows
 

@@ -118,8 +118,8 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
     (positions below ``prompt_len``) in one call, then the decode queries, every row of the batch
     at once: all of them in one call (``steps=True``) where the scorer takes steps so
     (``Needs.observes_steps``: H2O, LazyEviction, RaaS), else one call per query.  The rows replay
-    alike (``replay_shape``): one request (its layers stacked, ``_Batch``) when it has prompt
-    queries to replay, else rows with as many decode queries each.
+    alike (``replay_shape``): rows whose prompt queries start and end at the same positions (a
+    first compaction), or rows with as many decode queries each.
 
     queries: [R, n, H_q, D] each request's last n recorded queries, oldest first, at positions
     ``logical_len - n`` .. ``logical_len - 1`` (logical_len, since, prompt_len: [R]); each call's
@@ -135,7 +135,7 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
     rows = torch.arange(R)
     if bool((since < prompt_len).any()):  # one request (a row per layer): the prompt's rows in one call
         if any(bool((t != t[0]).any()) for t in (since, prompt_len, logical_len)):
-            raise RuntimeError("kvsieve: a prompt's queries are replayed for one request at a time")
+            raise RuntimeError("kvsieve: prompts' queries are replayed together only from and to the same positions")
         start, end = int(since[0]), int(min(prompt_len[0], logical_len[0]))
         query = queries[:, start - int(first[0]):end - int(first[0])].permute(0, 2, 1, 3)  # [R, H_q, T, D]
         _observe_then(scorer, layer, pos, query, torch.arange(start, end).expand(R, -1), torch.full((R,), end))
@@ -179,10 +179,13 @@ def replays(policy) -> bool:
     return needs.observes and not needs.observes_last_only
 
 
-def replay_shape(state: RequestState, c: Compaction) -> tuple[bool, int]:
-    """What a request's replay looks like: whether it has prompt queries to replay (its first
-    compaction), and how many queries it replays in all."""
-    return state.next_pos < c.prompt_len, c.logical_len - state.next_pos
+def replay_shape(state: RequestState, c: Compaction) -> tuple[int, ...]:
+    """What a request's replay looks like, the same for requests replayed together: how many
+    queries it replays and, where some are its prompt's (its first compaction), the positions its
+    replay starts at, its prompt ends at and its queries end at, which ``observe_since`` replays
+    alike only when they are the same in every row."""
+    count = c.logical_len - state.next_pos
+    return (count,) if state.next_pos >= c.prompt_len else (count, state.next_pos, c.prompt_len, c.logical_len)
 
 
 class PartlyWritten(RuntimeError):
@@ -201,7 +204,7 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     under ``stack_bytes``, 0 for one layer and every row at a time; where one layer's rows alone
     take more than ``stack_bytes``, in batches of fewer requests: ``split_rows``); a replaying
     scorer's requests also replay
-    as many queries, none of them a prompt's (``replay_shape``), and a scorer whose rows read each
+    as many queries, and a prompt's from and to the same positions (``replay_shape``), and a scorer whose rows read each
     other (``Needs.rows_coupled``: AMS's batch segmentation) has its requests compressed one at a
     time.
 
@@ -227,9 +230,8 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
         held = rings.held(c.req_id) if reads_queries else 0
         if needs.rows_coupled:  # rows that read each other: one request at a time
             key = (i,)
-        elif replays(policy):  # rows that replay alike; a prompt's replay has its own length
-            prompt, count = replay_shape(state, c)
-            key = (i,) if prompt else (c.keep, held if needs.query_window else 0, count)
+        elif replays(policy):  # rows that replay alike
+            key = (c.keep, held if needs.query_window else 0, *replay_shape(state, c))
         else:
             key = (c.keep, held)
         groups.setdefault(key, []).append((state, c))
