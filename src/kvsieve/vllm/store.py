@@ -48,8 +48,10 @@ from .plan import Compaction
 # rows take more: H2O's replayed rows of 64 requests (12 MiB a layer) take about twice as long
 # per element as those of 32, each new tensor that large being fresh pages from the system
 # (glibc's mmap and trim thresholds), and 64 requests' keys (8 MiB) gather slower than twice 32's
-# (docs/vllm-design.md, "Rows split").
-STACK_BYTES = 4 * 2**20
+# (docs/vllm-design.md, "Rows split").  With batches split, 8 MiB beats 4 (AMS over TOVA at 16
+# requests 775 -> 637 ms, Expected Attention 697 -> 631) and 12 or 16 MiB (AMS 895, 882 ms); the
+# rest are within a few percent from 4 to 16 MiB (1, 16 and 64 requests).
+STACK_BYTES = 8 * 2**20
 
 
 class Rings(Protocol):
