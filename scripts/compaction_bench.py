@@ -1,6 +1,8 @@
-"""What one step's compaction costs in vLLM's worker, stacked layers against one layer at a time
-(issue 57: scoring every layer of a batch as one view, ``store._Batch.stacks``).  Plain torch, no
-vLLM: the worker's own ``store.compress_requests`` on paged caches of SmolLM2-135M's shape.
+"""What one step's compaction costs in vLLM's worker, with its bound on a scoring's tensors
+(``store.STACK_BYTES``: layers stacked, ``store._Batch.stacks``, and requests split,
+``store.split_rows``) against none (one layer and every request at a time; the "per layer"
+column).  Plain torch, no vLLM: the worker's own ``store.compress_requests`` on paged caches of
+SmolLM2-135M's shape.
 
     PYTHONPATH=src .venv/bin/python scripts/compaction_bench.py --requests 16,64 \\
         --out results/compaction-stacked.json
