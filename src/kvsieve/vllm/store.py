@@ -135,7 +135,7 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
                            f"the last {n} of {logical_len.tolist()} were recorded")
     pos = layer.meta["pos"]  # [R, H_kv, S]
     rows = torch.arange(R)
-    if bool((since < prompt_len).any()):  # one request (a row per layer): the prompt's rows in one call
+    if bool((since < prompt_len).any()):  # rows alike in since, prompt and length: the prompt's rows in one call
         if any(bool((t != t[0]).any()) for t in (since, prompt_len, logical_len)):
             raise RuntimeError("kvsieve: prompts' queries are replayed together only from and to the same positions")
         start, end = int(since[0]), int(min(prompt_len[0], logical_len[0]))
@@ -205,10 +205,9 @@ def compress_requests(policy, layout: Layout, caches: list[torch.Tensor], scalin
     scoring for all of them and, where the scorer allows, for several layers: ``_Batch.stacks``
     under ``stack_bytes``, 0 for one layer and every row at a time; where one layer's rows alone
     take more than ``stack_bytes``, in batches of fewer requests: ``split_rows``); a replaying
-    scorer's requests also replay
-    as many queries, and a prompt's from and to the same positions (``replay_shape``), and a scorer whose rows read each
-    other (``Needs.rows_coupled``: AMS's batch segmentation) has its requests compressed one at a
-    time.
+    scorer's requests also replay as many queries, a prompt's from and to the same positions
+    (``replay_shape``), and a scorer whose rows read each other (``Needs.rows_coupled``: AMS's
+    batch segmentation) has its requests compressed one at a time.
 
     One request must not fail the others (a server serves them all): a batch scores every layer
     before it writes any, so a batch that fails while scoring has changed nothing and its requests
@@ -449,10 +448,10 @@ class _Batch:
 def layer_bytes(policy, layout: Layout, caches: list[torch.Tensor], requests: list[tuple[RequestState, Compaction]],
                 rings: Rings | None) -> int:
     """Bytes of the largest tensor scoring one layer of ``requests`` together takes: their keys
-    [R, H_kv, S, D] (as their values), attention rows [R, H_q, T, S] for T queries (the most any of them replays, or its window),
-    their window's queries [R, H_q, T, D] for a scorer that does not attend them
-    (``Needs.attends_window``), or a key similarity [R, H_kv, S, S] (``Needs.compares_keys``); S the
-    longest KV length."""
+    [R, H_kv, S, D] (as their values), attention rows [R, H_q, T, S] for T queries (the most any
+    of them replays, or its window), their window's queries [R, H_q, T, D] for a scorer that does
+    not attend them (``Needs.attends_window``), or a key similarity [R, H_kv, S, S]
+    (``Needs.compares_keys``); S the longest KV length."""
     needs = policy.scorer.needs
     R, H, S = len(requests), caches[0].shape[1], max(c.kv_len for _, c in requests)
     queries = 1
