@@ -123,7 +123,7 @@ class LayerView:
     layer's own dict, so per-token state written through the view reaches the layer."""
 
     keys: torch.Tensor  # [B, H_kv, capacity, D]
-    values: torch.Tensor  # [B, H_kv, capacity, D_v]
+    values: torch.Tensor | None  # [B, H_kv, capacity, D_v]; None where not read (vLLM's worker: ``Needs.reads_values``)
     lengths: torch.Tensor  # [B, H_kv]
     meta: dict[str, torch.Tensor]  # "pos" and per-token state, [B, H_kv, capacity] each
     sums: dict[str, torch.Tensor]  # running sums (KV_SUMS), [B, H_kv, D]; {} where not kept
@@ -146,7 +146,7 @@ class LayerView:
     def repeat_heads(self, group: int) -> "LayerView":
         """Each kv head repeated ``group`` times along the head dimension (a query head's view)."""
         def rep(t):
-            return t.repeat_interleave(group, dim=1)
+            return None if t is None else t.repeat_interleave(group, dim=1)
 
         return dataclasses.replace(self, keys=rep(self.keys), values=rep(self.values), lengths=rep(self.lengths),
                                    meta={name: rep(t) for name, t in self.meta.items()}, sums={})
@@ -158,8 +158,9 @@ class LayerView:
         if queries is not None:
             queries = queries.reshape(B * H, queries.shape[1] // H, *queries.shape[2:])
             qpos = qpos.repeat_interleave(H, dim=0)
+        values = None if self.values is None else self.values.reshape(B * H, 1, cap, -1)
         return dataclasses.replace(
-            self, keys=self.keys.reshape(B * H, 1, cap, D), values=self.values.reshape(B * H, 1, cap, -1),
+            self, keys=self.keys.reshape(B * H, 1, cap, D), values=values,
             lengths=self.lengths.reshape(B * H, 1), meta={name: t.reshape(B * H, 1, cap) for name, t in self.meta.items()},
             sums={}, recent_queries=queries, recent_query_pos=qpos,
             prompt_len=None if self.prompt_len is None else self.prompt_len.repeat_interleave(H))

@@ -95,17 +95,16 @@ class Needs:
         A scorer without ``uses_budget`` that maps a budget to its own settings (``Scorer.sized``)
         names the fields the fit sets, per batch (LagKV: lag, ratio, ...); empty otherwise.
     traceable : bool
-        False: ``score()`` uses a host object ``torch.compile`` cannot trace (random's
-        generator): a session that would evict inside a compiled step decodes eagerly.
+        False: ``score()`` uses a host object ``torch.compile`` cannot trace (random's generator): decoded eagerly.
     cross_layer : bool
         Each kv head keeps the same tokens in every layer, by the mean over layers of each layer's
         scores (TriAttention's ``per_head``, ``Schedule.compress_across_layers``).
     rows_coupled : bool
         A row's scores read other rows (AMS's released batch segmentation): vLLM scores it alone.
-    stacks_layers : bool; compares_keys : bool
-        ``observe``, ``score`` and ``select`` read nothing of a layer but its rows (no layer index, random draw
-        or state between calls; SkipKV's table is selected per row): vLLM's worker may score several layers'
-        rows as one batch (``store._Batch``), sized by a key similarity [S, S] where ``compares_keys`` (R-KV, SkipKV).
+    stacks_layers, compares_keys, reads_values : bool
+        Scoring reads nothing of a layer but its rows (no layer index, random draw or state between calls): vLLM's
+        worker may score layers' rows as one batch (``store._Batch``), sized by a key similarity [S, S] where
+        ``compares_keys`` (R-KV, SkipKV); it gathers values only for a scorer that reads them (``reads_values``).
     """
 
     meta: dict[str, float] = field(default_factory=dict)
@@ -131,6 +130,7 @@ class Needs:
     rows_coupled: bool = False
     stacks_layers: bool = False
     compares_keys: bool = False
+    reads_values: bool = False
 
     @property
     def fits_budget(self) -> bool:

@@ -134,8 +134,9 @@ def observe_timestamps(layer, probs: torch.Tensor, query_pos: torch.Tensor, alph
         # a running max over the T queries (a loop of [B, H, cap] maxima: CPU's cummax along T is
         # element by element, 4-20x slower at 32-512 queries)
         before, gap = ts.clone(), torch.full_like(ts, float("-inf"))  # gap: -inf where never activated
+        since = torch.empty_like(ts)  # this query's gap, written in place each time
         for t in range(hit.shape[2]):
-            torch.maximum(gap, hit[:, :, t] - before, out=gap)
+            torch.maximum(gap, torch.sub(hit[:, :, t], before, out=since), out=gap)
             torch.maximum(before, hit[:, :, t], out=before)
         torch.maximum(layer.meta["mri"], gap, out=layer.meta["mri"])  # Eq. (1), in place
     layer.meta["ts"].copy_(new_ts)  # in place: per-token state keeps its address (captured steps)

@@ -143,7 +143,7 @@ class CAOTE(WrappingScorer):
         sums = (*inner.needs.kv_sums, "value_sum") if self.fast else inner.needs.kv_sums
         self.wrap("fastcaote" if self.fast else "caote", inner, example="tova",
                   kv_fields=tuple(dict.fromkeys((*inner.needs.kv_fields, "value_sqnorm"))),
-                  kv_sums=tuple(dict.fromkeys(sums)), observes_steps=False,  # its mix is one step's
+                  kv_sums=tuple(dict.fromkeys(sums)), observes_steps=False, reads_values=True,  # its mix is one step's
                   heads_combined_by="")  # errors of every head from the base's combined weights: no one reduction
 
     def base_scores(self, layer, seen_tokens) -> torch.Tensor:

@@ -75,15 +75,17 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return angles.cos().float(), angles.sin().float()
 
 
-def query_statistics(queries: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def query_statistics(queries: torch.Tensor, weight: torch.Tensor,
+                     scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean [B, H_q, D] and covariance [B, H_q, D, D] of queries [B, H_q, w, D] over the
     window entries with weight 1 (weight [B, w] in {0, 1}; biased estimate, as kvpress).  With
-    every weight 1 the products by it, exact, are skipped."""
+    every weight 1 the products by it, exact, are skipped.  ``scratch``: the queries are the
+    caller's own copy, centred in place (the same numbers, one tensor of the window's size less)."""
     w = weight[:, None, :, None].to(queries.dtype)  # [B, 1, w, 1]
     count = w.sum(dim=2).clamp(min=1)  # [B, 1, 1]
     whole = bool(weight.all())
     mean = (queries if whole else queries * w).sum(dim=2) / count
-    centered = queries - mean[:, :, None]
+    centered = queries.sub_(mean[:, :, None]) if scratch else queries - mean[:, :, None]
     if not whole:
         centered = centered * w
     cov = centered.transpose(-1, -2) @ centered / count[..., None]
@@ -145,7 +147,8 @@ class ExpectedAttention(Scorer):
                              f"{self.epsilon}, {self.n_future}, {self.hs_buffer}, {self.sinks}")
         if self.rope_theta is not None and self.rope_theta <= 1:
             raise ValueError(f"expected: rope_theta must be the model's RoPE base (> 1), got {self.rope_theta}")
-        self.needs = replace(self.needs, query_window=self.hs_buffer)  # the statistics' queries
+        # the statistics' queries; the values' norms rescale the scores (use_vnorm)
+        self.needs = replace(self.needs, query_window=self.hs_buffer, reads_values=self.use_vnorm)
 
     @contextlib.contextmanager
     def attach(self, model, tokenizer):
@@ -178,7 +181,8 @@ class ExpectedAttention(Scorer):
         if inv_freq is not None:  # back to pre-RoPE: R_{-p} q_p
             cos, sin = per_distinct_row(qpos.masked_fill(~real, 0), lambda p: rope_angles(p, inv_freq))  # [B, w, D]
             queries = rotate_back(queries, cos[:, None], sin[:, None])
-        mean, cov = query_statistics(queries, weight)  # [B, H_q, D], [B, H_q, D, D]
+        # rotated back, the queries are this call's own copy: centred in place
+        mean, cov = query_statistics(queries, weight, scratch=inv_freq is not None)  # [B, H_q, D], [B, H_q, D, D]
         if inv_freq is not None:  # k^T R_bar: the logits of R_bar mu and R_bar Sigma R_bar^T
             # deviation: kvpress starts at the number of buffered hidden states, which in decoding is
             # not the row's position; [24] averages over the positions after the current one

@@ -221,8 +221,9 @@ class LagKV(Scorer):
         check_choice(self.reference, ("next", "self"), f"{self.name} reference")
         check_choice(self.statistic, ("lag", "key_norm"), f"{self.name} statistic")
         self.in_paper_grid = self.lag in PAPER_LAGS and any(math.isclose(self.ratio, r) for r in PAPER_RATIOS)
-        # stacks_layers: scores and selections are per row; only the engine's should_compress reads the layer
-        self.needs = replace(self.needs, whole_layers=self.skip_layers, stacks_layers=True,
+        # stacks_layers: scores and selections are per row; only the engine's should_compress reads the layer.
+        # reads_values: Eq. (9) scores the values' statistics beside the keys'
+        self.needs = replace(self.needs, whole_layers=self.skip_layers, stacks_layers=True, reads_values=True,
                              count_rule=partial(kept_after, self.sinks, self.lag, self.kept))
 
     @property

@@ -1,21 +1,21 @@
 """The vLLM adapter of kvsieve's store protocol (``kvsieve.engine``): the paged KV of the requests
 the scheduler compresses in one step, as the schedule reads it.  Plain torch: no vLLM import.
 
-The requests of one step that keep the same count are compressed together (``_Batch``), each a
-row of one read-only ``engine.LayerReader`` (a ``cache.LayerView``) per layer: keys and values
-gathered dense, ``[R, H_kv, S, D]``, from every request's blocks in one gather
-(``paged.gather_rows``; a shorter request's padding slots are dead); each slot's logical position
-and each per-token field the scorer declares (``Needs.meta``), kept per request between
-compactions (``RequestState``); each request's recorded post-RoPE queries
-(``attention.QueryRecorder``) where the scorer declares ``Needs.query_window``.  kvsieve's own
+The requests of one step that keep the same count are compressed together (``_Batch``), each a row
+of one read-only ``engine.LayerReader`` (a ``cache.LayerView``) per layer: keys gathered dense,
+``[R, H_kv, S, D]``, from every request's blocks in one gather (``paged.gather_rows``; a shorter
+request's padding slots are dead), values too where the scorer reads them (``Needs.reads_values``);
+each slot's logical position and each per-token field the scorer declares (``Needs.meta``), kept
+per request between compactions (``RequestState``); each request's recorded post-RoPE queries
+(``attention.QueryRecorder``) where the scorer declares ``Needs.query_window``. kvsieve's own
 schedule then chooses every row's kept slots at once (``schedule.keep_set``: the scorer,
-``protected_scores``'s sinks, recent window and protected prompt, the top ``keep`` or the
-scorer's own ``select``), with the count the scheduler fixed, equal in every (layer, kv head)
-(one block table per request: AMS Appendix E), and one scatter per layer writes them into each
-request's first slots (``paged.write_rows``), the positions and fields moving with them; for a
-scorer blind to slot order (``Needs.slot_order_free``) only the kept tokens beyond the count
-move, into the evicted slots below it, as kvsieve's in-place eviction moves them (``hole_moves``,
-``paged.write_slots``).  No method's math is written here.
+``protected_scores``'s sinks, recent window and protected prompt, the top ``keep`` or the scorer's
+own ``select``), with the count the scheduler fixed, equal in every (layer, kv head) (one block
+table per request: AMS Appendix E), and one gather and one scatter per layer move them, within the
+blocks, into each request's first slots (``paged.compact_rows``), the positions and fields moving
+with them; for a scorer blind to slot order (``Needs.slot_order_free``) only the kept tokens beyond
+the count move, into the evicted slots below it, as kvsieve's in-place eviction moves them
+(``hole_moves``, ``paged.move_slots``). No method's math is written here.
 
 Scorers that observe attention rows get them recomputed here from the recorded queries: the
 newest row alone for TOVA (``Needs.observes_last_only``, batched), every row since the last
@@ -34,7 +34,7 @@ import torch
 from ..attention import attention_probs, visible
 from ..cache import DEAD_POS, LayerView
 from ..schedule import cross_layer_scores, keep_set, protected_scores
-from .paged import Layout, block_table, gather_rows, write_rows, write_slots
+from .paged import Layout, block_table, compact_rows, gather_rows, move_slots
 from .plan import Compaction
 
 
@@ -264,12 +264,12 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
 
 
 class _Batch:
-    """R requests compressed together, each a row of one ``LayerView`` per layer: keys and values
-    gathered from every request's blocks into [R, H_kv, S, D] (S: the longest KV length; a shorter
-    request's padding slots are dead, at DEAD_POS and zero), its positions and fields beside them,
+    """R requests compressed together, each a row of one ``LayerView`` per layer: keys (and values
+    if read) gathered from every request's blocks into [R, H_kv, S, D] (S: the longest KV length; a
+    shorter request's padding slots are dead, at DEAD_POS and zero), its positions and fields beside them,
     its recorded queries as the row's recent queries.  kvsieve's schedule then scores every row at
-    once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one scatter per layer writes each
-    request's kept slots into its own first slots (``paged.write_rows``; for a slot-order-free
+    once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one move per layer puts each
+    request's kept slots into its own first slots (``paged.compact_rows``; for a slot-order-free
     scorer only those beyond ``keep``, into the evicted ones: ``hole_moves``), the slots'
     positions and fields moving with them.  Each request keeps its ``keep`` (the same in the
     batch); the count and the choice are per row, so a batch keeps what each request alone keeps.
@@ -326,14 +326,8 @@ class _Batch:
         policy, needs = self.policy, self.policy.scorer.needs
         n = len(layers)
         R, H, S = self.pos.shape[1:]
-        if n == 1:
-            keys, values = gather_rows(self.layout, self.caches[layers.start], self.table, self.live)  # [R, H, S, D]
-        else:  # each layer's rows gathered into its part of the stack
-            first = self.layout.key_value(self.caches[0])
-            keys, values = (torch.empty(n * R, H, S, t.shape[-1], dtype=t.dtype) for t in first)  # [n * R, H, S, D]
-            for i, layer in enumerate(layers):
-                gather_rows(self.layout, self.caches[layer], self.table, self.live,
-                            out=(keys[i * R:(i + 1) * R], values[i * R:(i + 1) * R]))
+        keys, values = gather_rows(self.layout, self.caches[layers.start:layers.stop], self.table, self.live,
+                                   values=needs.reads_values)  # [n * R, H, S, D]; values None unless read
         req_ids = [c.req_id for c in self.cs]
         seen, lengths = self.seen.repeat(n), self.lengths.repeat(n)  # [n * R]
         recent = recent_pos = None
@@ -387,8 +381,8 @@ class _Batch:
                  combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  before_scoring: Callable[[list[str]], None] | None = None) -> None:
         """Every layer's keep-set, then every layer's kept slots written into the requests' first
-        slots (nothing is written when scoring fails; the kept keys and values of every layer are
-        held meanwhile, at most the requests' kept KV), then the states updated.  A cross-layer
+        slots, read from the blocks as they are moved (nothing is written when scoring fails; only
+        every layer's kept slots are held meanwhile), then the states updated.  A cross-layer
         scorer (``Needs.cross_layer``, TriAttention's ``per_head``) has every layer read first, and
         every layer keeps the tokens of the mean of their scores (``schedule.cross_layer_scores``)."""
         policy, needs = self.policy, self.policy.scorer.needs
@@ -422,19 +416,17 @@ class _Batch:
             if in_place:  # only the kept tokens at or beyond K move, into the evicted slots below K
                 row, head, dst, src = hole_moves(kept, S)
                 per_layer = torch.bincount(torch.div(row, R, rounding_mode="floor"), minlength=n).tolist()
-                moved = (row % R, head, dst, view.keys[row, head, src], view.values[row, head, src])  # [P], [P, D]
-                chosen += zip(*(t.split(per_layer) for t in moved))  # per layer
+                chosen += zip(*(t.split(per_layer) for t in (row % R, head, dst, src)))  # [P] each, per layer
                 after = [moved_slots(t, row, head, dst, src, K) for t in slot_fields]  # [n * R, H, K] each
             else:  # every kept token into the first K slots, in slot order
-                keys, values = (take(t, kept).view(n, R, H, K, -1) for t in (view.keys, view.values))
-                chosen += zip(keys.unbind(0), values.unbind(0))  # [R, H, K, D] each, per layer
+                chosen += ((t,) for t in kept.view(n, R, H, K).unbind(0))  # [R, H, K] each, per layer
                 after = [t.gather(-1, kept) for t in slot_fields]
             new_pos += after[0].view(n, R, H, K).unbind(0)
             for name, t in zip(self.fields, after[1:]):
                 new_fields[name] += t.view(n, R, H, K).unbind(0)
         try:
             for cache, part in zip(self.caches, chosen):
-                (write_slots if in_place else write_rows)(self.layout, cache, self.table, *part)
+                (move_slots if in_place else compact_rows)(self.layout, cache, self.table, *part)
         except Exception as err:
             raise PartlyWritten(f"{type(err).__name__}: {err}") from err
         pos = torch.stack(new_pos, dim=1)  # [R, L, H, keep]
@@ -526,10 +518,3 @@ def stack(parts: list[torch.Tensor]) -> torch.Tensor:
 def pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
     """``t`` [..., n] padded with ``value`` to [..., length]."""
     return torch.nn.functional.pad(t, (0, length - t.shape[-1]), value=value)
-
-
-def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t [R, H, S, D] at slots idx [R, H, K]: [R, H, K, D].  One index of whole D-vectors (a row copy
-    each), not ``gather`` over an index expanded to D, which reads element by element (3x slower here)."""
-    R, H = idx.shape[:2]
-    return t[torch.arange(R)[:, None, None], torch.arange(H)[None, :, None], idx]
