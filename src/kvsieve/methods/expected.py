@@ -69,10 +69,11 @@ def model_inv_freq(model) -> torch.Tensor | None:
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of RoPE at ``positions`` [...]: [..., 2 * len(inv_freq)] (rotate-half layout)."""
+    """cos, sin of RoPE at ``positions`` [...]: [..., 2 * len(inv_freq)] (rotate-half layout: both
+    halves the same, each computed once)."""
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)  # [..., D/2]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
 def query_statistics(queries: torch.Tensor, weight: torch.Tensor,
