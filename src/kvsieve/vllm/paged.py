@@ -90,9 +90,9 @@ def gather_rows(layout: Layout, kv_caches: list[torch.Tensor], table: torch.Tens
     first_keys, first_values = layout.key_value(kv_caches[0])  # [N, H, block_size, D]
     _, H, block_size, D = first_keys.shape
     # [n, R * blocks, H, D, block_size]: each layer's blocks, keys transposed
-    key_blocks = torch.empty(n, R * blocks, H, D, block_size, dtype=first_keys.dtype)
-    value_blocks = torch.empty(n, R * blocks, H, block_size, first_values.shape[-1], dtype=first_values.dtype) \
-        if values else None
+    key_blocks = torch.empty(n, R * blocks, H, D, block_size, dtype=first_keys.dtype, device=first_keys.device)
+    value_blocks = torch.empty(n, R * blocks, H, block_size, first_values.shape[-1], dtype=first_values.dtype,
+                               device=first_values.device) if values else None
     for i, kv_cache in enumerate(kv_caches):
         keys_i, values_i = layout.key_value(kv_cache)
         torch.index_select(keys_i.transpose(2, 3), 0, flat, out=key_blocks[i])
