@@ -66,6 +66,12 @@ class FlashAttnLayout:
 LAYOUTS = {"cpu": CpuLayout(), "flash": FlashAttnLayout()}
 
 
+def _slots(table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where slot ``slots[i]`` of request ``rows[i]`` sits (table: [R, blocks]): its block, its offset."""
+    return table[rows, torch.div(slots, block_size, rounding_mode="floor")], slots % block_size
+
+
 def block_table(block_ids: list) -> torch.Tensor:
     """[R, most blocks] int64: each request's blocks (a sequence of ids each), a shorter row padded
     with its own first block, which only its dead padding slots read."""
@@ -126,8 +132,8 @@ def move_slots(layout: Layout, kv_cache: torch.Tensor, table: torch.Tensor, rows
     slot is written, so a source may be overwritten freely."""
     key_cache, value_cache = layout.key_value(kv_cache)
     block_size = key_cache.shape[2]
-    to_blk, to_off = table[rows, torch.div(dst, block_size, rounding_mode="floor")], dst % block_size
-    from_blk, from_off = table[rows, torch.div(src, block_size, rounding_mode="floor")], src % block_size
+    to_blk, to_off = _slots(table, rows, dst, block_size)
+    from_blk, from_off = _slots(table, rows, src, block_size)
     key_cache[to_blk, heads, to_off] = key_cache[from_blk, heads, from_off]
     value_cache[to_blk, heads, to_off] = value_cache[from_blk, heads, from_off]
 
@@ -148,9 +154,8 @@ def write_(layout: Layout, kv_cache: torch.Tensor, block_ids: torch.Tensor, keys
     (as vLLM's own cache write puts a request's tokens there)."""
     key_cache, value_cache = layout.key_value(kv_cache)
     H, K = keys.shape[:2]
-    slots = torch.arange(K, device=keys.device)
-    blk = block_ids[torch.div(slots, key_cache.shape[2], rounding_mode="floor")][None]  # [1, K]
-    heads, off = torch.arange(H, device=keys.device)[:, None], (slots % key_cache.shape[2])[None]
+    blk, off = _slots(block_ids[None], 0, torch.arange(K, device=keys.device)[None], key_cache.shape[2])  # [1, K]
+    heads = torch.arange(H, device=keys.device)[:, None]
     key_cache[blk, heads, off] = keys
     value_cache[blk, heads, off] = values
 
