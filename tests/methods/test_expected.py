@@ -182,3 +182,32 @@ def test_angles_of_repeated_rows_are_computed_once_and_equal_each_rows_own():
     for row in range(4):
         own_cos, own_sin = rope_angles(positions[row:row + 1], inv_freq)
         assert torch.equal(cos[row], own_cos[0]) and torch.equal(sin[row], own_sin[0])
+
+
+def test_a_stack_scored_a_few_rows_at_a_time_gives_each_rows_own_scores():
+    """A stack larger than ``CHUNK_BYTES`` is scored in chunks of rows; every row's scores are the
+    ones it gets scored alone (padding, sinks-only windows and positions differ between rows)."""
+    from types import SimpleNamespace
+
+    from kvsieve.methods.expected import CHUNK_BYTES
+
+    g = torch.Generator().manual_seed(7)
+    rows, kv_heads, group, window, dim, cap = 8, 3, 3, 256, 64, 40
+    assert rows * kv_heads * group * window * dim * 4 > 2 * CHUNK_BYTES  # at least three chunks
+    qpos = torch.arange(window).repeat(rows, 1) + torch.arange(rows)[:, None] * 37
+    qpos[2, :100] = DEAD_POS  # padding
+    qpos[5] = torch.where(torch.arange(window) < 3, torch.arange(window), torch.full((window,), DEAD_POS))  # sinks only
+    pos = torch.arange(cap).repeat(rows, kv_heads, 1)
+    pos[1, :, 7] = DEAD_POS
+    layer = SimpleNamespace(recent_queries=torch.randn(rows, kv_heads * group, window, dim, generator=g),
+                            recent_query_pos=qpos, keys=torch.randn(rows, kv_heads, cap, dim, generator=g),
+                            values=torch.randn(rows, kv_heads, cap, dim, generator=g), meta={"pos": pos},
+                            scaling=dim ** -0.5)
+    seen = qpos.amax(dim=1) + 1
+    scorer = ExpectedAttention(rope_theta=10000.0)
+    stacked = scorer.score(layer, seen)
+    for row in range(rows):
+        alone = SimpleNamespace(recent_queries=layer.recent_queries[row:row + 1], recent_query_pos=qpos[row:row + 1],
+                                keys=layer.keys[row:row + 1], values=layer.values[row:row + 1],
+                                meta={"pos": pos[row:row + 1]}, scaling=layer.scaling)
+        assert torch.equal(stacked[row], scorer.score(alone, seen[row:row + 1])[0]), row
