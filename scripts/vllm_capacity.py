@@ -4,11 +4,13 @@ stepped in-process so the scheduler's queues and block pool can be read each ste
 
     PYTHONPATH=src /work/vllm-env/bin/python scripts/vllm_capacity.py --requests 16 --new-tokens 512
 
-Prints one JSON line per method: peak running requests, the largest batch that ran to its end
-without a preemption, steps with requests waiting, preemptions, peak blocks in use, wall time and
-output tokens/s, and the compactions with the share of step time spent compacting (the
-worker's own timers).  Run both methods in one call: ratios between runs on a shared machine are only
-meaningful within one call.  ``scripts/vllm_bench.py`` builds the issue's benchmark on ``measure``.
+Each method runs with the options ``scripts/serve_bench.py`` serves it with (TriAttention's
+statistics, ``--stats``).  Prints one JSON line per method: peak running requests, the largest
+batch that ran to its end without a preemption, steps with requests waiting, preemptions, peak
+blocks in use, wall time and output tokens/s, and the compactions with the share of step time
+spent compacting (the worker's own timers).  Run all methods in one call: ratios between runs on
+a shared machine are only meaningful within one call.  ``scripts/vllm_bench.py`` builds the
+issue's benchmark on ``measure``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -135,6 +138,20 @@ def run(args, method: str, settings: dict | None = None) -> dict:
     return {"method": method, "budget": budget, **result, "block_size": args.block_size}
 
 
+def served_settings(args, method: str) -> dict | None:
+    """The options ``scripts/serve_bench.py`` serves ``method`` with (TriAttention's statistics
+    file, LagKV's off-grid budget, ...), as ``engine_kwargs`` keywords; None for plain vLLM.
+    ``serve_bench.BenchError`` in one line when kvsieve refuses them."""
+    if method == "plain":
+        return None
+    from serve_bench import TRIATTENTION_STATS, method_settings
+
+    horizon = args.max_model_len or min(args.kv_blocks * args.block_size, 8192)
+    settings = method_settings(method, args.budget, args.interval, args.stats or str(TRIATTENTION_STATS),
+                               horizon=horizon)
+    return {key: value for key, value in settings.items() if key not in ("budget", "interval")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -147,9 +164,17 @@ def main() -> None:
     ap.add_argument("--methods", default="plain,streaming")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the pool, up to 8,192 tokens")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
+    ap.add_argument("--stats", default=None, help="TriAttention's statistics file (default: serve_bench's)")
     args = ap.parse_args()
-    for method in args.methods.split(","):
-        print(json.dumps(run(args, method)), flush=True)
+    from serve_bench import BenchError
+
+    methods = args.methods.split(",")
+    try:
+        settings = {method: served_settings(args, method) for method in methods}
+    except BenchError as err:
+        sys.exit(f"vllm_capacity: {err}")
+    for method in methods:
+        print(json.dumps(run(args, method, settings[method])), flush=True)
 
 
 if __name__ == "__main__":
