@@ -103,9 +103,10 @@ def per_distinct_row(positions: torch.Tensor, fn):
 
 
 # Rows scored together: about 2 MiB of window queries, so a chunk's copies and products stay in
-# one core's L2 cache (4 MiB on the machine these numbers come from).  A whole stack at once spilled
-# them to memory: 60 rows of 9 heads x 256 queries x 64 and 192 keys scored in 30-47 ms at once and
-# 24-26 ms two to eight rows at a time (33 ms one row at a time), the same numbers: each row's own.
+# one core's L2 cache (4 MiB on the machine these numbers come from).  60 rows of 9 heads x 256
+# queries x 64 and 192 keys scored in 30-47 ms at once and 24-26 ms two to eight rows at a time
+# (33 ms one row at a time), the same numbers: each row's own.  The worker's stacks are smaller
+# (about 13 rows at 64 requests), where it gains 2-3% of a compaction (compaction benchmark).
 CHUNK_BYTES = 2 << 20
 
 
