@@ -25,8 +25,10 @@ back once the requests were done; for kvsieve, the share of step time spent comp
 worker last logged (``compaction_share``).  A run fails, with its reason, when a request did not get exactly
 ``--new-tokens`` tokens or a block was not given back.  One JSON line per run on stdout; ``--out``
 is rewritten after every run (a killed benchmark keeps what finished, and ``--resume`` skips the
-configurations it holds with the same settings); at the end, a table of tokens/s against the two
-plain runs of the same pool, and with ``--plot`` tokens/s against pool size.
+configurations it holds with the same settings); at the end, a table of tokens/s against the plain
+runs before and after each method in the same pool (the first and the last, or with
+``--plain-every N`` the ones around its group of N: a machine whose speed drifts within the hour
+then gives each ratio a nearby reference), and with ``--plot`` tokens/s against pool size.
 
 The full benchmark, every method at the tight and the loose pool (12 servers a pool, one to two
 hours a pool on a quiet 2-core machine), then pools between them for three methods, into the same
@@ -201,15 +203,25 @@ def method_settings(method: str, budget: int, interval: int | None, stats: str |
     return settings
 
 
-def configurations(methods: list[str], pools: list[int], workload: dict, settings: dict[str, dict]) -> list[dict]:
+def configurations(methods: list[str], pools: list[int], workload: dict, settings: dict[str, dict],
+                   plain_every: int = 0) -> list[dict]:
     """Every run's configuration, in run order: for each pool, plain vLLM (slot "first"), each
-    method with its ``settings``, plain vLLM again (slot "last").  A configuration is everything
-    that defines a run, so a finished run with the same one is not run again by ``--resume``."""
+    method with its ``settings``, plain vLLM again (slot "last").  With ``plain_every`` N, a plain
+    run also after every N methods (slot "after-<methods before it>"), and each method's
+    configuration names the plain runs just before and after its group (``"plain"``: [before,
+    after]; without it, "first" and "last").  A configuration is everything that defines a run, so a
+    finished run with the same one is not run again by ``--resume``."""
+    step = plain_every or max(1, len(methods))
     configs = []
     for pool in pools:
         configs.append({"method": "plain", "slot": "first", "pool_tokens": pool, **workload})
-        configs += [{"method": m, "pool_tokens": pool, "kvsieve": settings[m], **workload} for m in methods]
-        configs.append({"method": "plain", "slot": "last", "pool_tokens": pool, **workload})
+        for done in range(0, max(len(methods), 1), step):
+            group = methods[done:done + step]
+            before = "first" if done == 0 else f"after-{done}"
+            after = "last" if done + len(group) == len(methods) else f"after-{done + len(group)}"
+            bracket = {"plain": [before, after]} if plain_every else {}
+            configs += [{"method": m, "pool_tokens": pool, "kvsieve": settings[m], **bracket, **workload} for m in group]
+            configs.append({"method": "plain", "slot": after, "pool_tokens": pool, **workload})
     return configs
 
 
@@ -233,11 +245,12 @@ def label(run: dict) -> str:
 
 def ratios(runs: list[dict]) -> list[dict]:
     """One row per run: method, pool, tokens/s and, for a kvsieve run, its tokens/s over those of
-    the first and the last plain run of the same pool and workload (None where that plain run is
-    missing or failed, or the run itself failed)."""
+    the plain runs of the same pool and workload just before and after it (its configuration's
+    ``"plain"`` slots, else the first and the last; None where that plain run is missing or
+    failed, or the run itself failed)."""
 
     def workload(run):
-        return {k: v for k, v in run["config"].items() if k not in ("method", "slot", "kvsieve")}
+        return {k: v for k, v in run["config"].items() if k not in ("method", "slot", "kvsieve", "plain")}
 
     plain = {}
     for run in runs:
@@ -251,9 +264,10 @@ def ratios(runs: list[dict]) -> list[dict]:
                **{k: run.get(k) for k in ("peak_running", "peak_waiting", "preemptions", "peak_blocks",
                                           "pool_blocks")}}
         if run["config"]["method"] != "plain":
-            for slot in ("first", "last"):
+            slots = run["config"].get("plain", ["first", "last"])
+            for side, slot in zip(("before", "after"), slots):
                 base = plain.get((slot, json.dumps(workload(run), sort_keys=True)))
-                row[f"x_plain_{slot}"] = round(row["tokens_per_s"] / base, 2) if base and run["ok"] else None
+                row[f"x_plain_{side}"] = round(row["tokens_per_s"] / base, 2) if base and run["ok"] else None
         rows.append(row)
     return rows
 
@@ -267,11 +281,11 @@ def table(rows: list[dict]) -> str:
     def n(value):
         return "-" if value is None else value
 
-    lines = ["| run | KV pool (tokens) | tokens/s | x plain (first / last) | peak running | peak waiting | "
+    lines = ["| run | KV pool (tokens) | tokens/s | x plain (before / after) | peak running | peak waiting | "
              "preemptions | peak blocks / pool |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speed = f"{r['tokens_per_s']:.1f}" if r["ok"] else "refused at start-up" if r["refused"] else "FAILED"
-        against = "-" if r["run"].startswith("plain") else f"{x(r['x_plain_first'])} / {x(r['x_plain_last'])}"
+        against = "-" if r["run"].startswith("plain") else f"{x(r['x_plain_before'])} / {x(r['x_plain_after'])}"
         lines.append(f"| {r['run']} | {r['pool_tokens']:,} | {speed} | {against} | {n(r['peak_running'])} | "
                      f"{n(r['peak_waiting'])} | {n(r['preemptions'])} | {n(r['peak_blocks'])} / {r['pool_blocks']} |")
     return "\n".join(lines)
@@ -563,6 +577,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"TriAttention's statistics (kvsieve calibrate triattention); default {TRIATTENTION_STATS} "
                          "if it exists; without one triattention is skipped")
     ap.add_argument("--pools", default="2048,24576", help="KV pools in tokens, comma-separated")
+    ap.add_argument("--plain-every", type=int, default=0, metavar="N",
+                    help="a plain vLLM run also after every N methods of a pool, each method's ratios to the plain "
+                         "runs just before and after its group (default 0: plain first and last only)")
     ap.add_argument("--requests", type=int, default=16, help="concurrent requests, the first GSM8K test questions")
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=1400)
@@ -622,6 +639,8 @@ def prepare(args) -> tuple[list[dict], dict]:
               "refused at start-up there (recorded as refused), kvsieve's methods serve them", file=sys.stderr)
     if not (args.vllm_env / "bin" / "kvsieve").exists():
         raise BenchError(f"no vLLM environment at {args.vllm_env} (make vllm-env builds it; --vllm-env names another)")
+    if args.plain_every < 0:
+        raise BenchError(f"--plain-every must be 0 (plain runs first and last only) or more, got {args.plain_every}")
     extra = {}
     for pair in args.set_:
         key, eq, raw = pair.partition("=")
@@ -641,7 +660,7 @@ def prepare(args) -> tuple[list[dict], dict]:
     workload = {"model": args.model, "dtype": dtype, "requests": args.requests, "new_tokens": args.new_tokens,
                 "prompts": "gsm8k_test.jsonl, first questions", "max_model_len": args.max_model_len,
                 "max_num_seqs": args.max_num_seqs or args.requests, "block_size": args.block_size}
-    return configurations(methods, pools, workload, settings), {
+    return configurations(methods, pools, workload, settings, args.plain_every), {
         "model_dir": model_dir, "bytes_per_token": token_bytes(config, dtype), "prompts": prompts}
 
 

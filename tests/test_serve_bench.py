@@ -149,10 +149,10 @@ RUNS = [_run("plain", 2048, 40.0, slot="first"), _run("tova", 2048, 120.0), _run
 def test_each_method_is_divided_by_the_first_and_last_plain_run_of_its_own_pool():
     rows = {(r["run"], r["pool_tokens"]): r for r in bench.ratios(RUNS)}
     # 120 / 40 and 120 / 48; at the loose pool 142.5 / 150, and no last plain run to divide by
-    assert (rows[("tova", 2048)]["x_plain_first"], rows[("tova", 2048)]["x_plain_last"]) == (3.0, 2.5)
-    assert (rows[("tova", 24576)]["x_plain_first"], rows[("tova", 24576)]["x_plain_last"]) == (0.95, None)
-    assert (rows[("streaming", 2048)]["x_plain_first"], rows[("streaming", 2048)]["tokens_per_s"]) == (None, None)
-    assert "x_plain_first" not in rows[("plain (first)", 2048)]
+    assert (rows[("tova", 2048)]["x_plain_before"], rows[("tova", 2048)]["x_plain_after"]) == (3.0, 2.5)
+    assert (rows[("tova", 24576)]["x_plain_before"], rows[("tova", 24576)]["x_plain_after"]) == (0.95, None)
+    assert (rows[("streaming", 2048)]["x_plain_before"], rows[("streaming", 2048)]["tokens_per_s"]) == (None, None)
+    assert "x_plain_before" not in rows[("plain (first)", 2048)]
     lines = bench.table(bench.ratios(RUNS)).splitlines()
     assert lines[3] == "| tova | 2,048 | 120.0 | 3.00x / 2.50x | 16 | 0 | 0 | 60 / 64 |"
     assert lines[4].startswith("| streaming | 2,048 | FAILED | - / - |")
@@ -165,6 +165,24 @@ def test_configurations_run_plain_first_each_method_then_plain_again_for_each_po
     assert [(c["pool_tokens"], c["method"], c.get("slot")) for c in configs] == [
         (2048, "plain", "first"), (2048, "tova", None), (2048, "lagkv", None), (2048, "plain", "last"),
         (24576, "plain", "first"), (24576, "tova", None), (24576, "lagkv", None), (24576, "plain", "last")]
+
+
+def test_plain_every_n_methods_brackets_each_group_and_its_ratios_use_that_bracket():
+    methods = ["tova", "lagkv", "h2o"]
+    configs = bench.configurations(methods, [2048], {"requests": 16}, {m: {"budget": 128} for m in methods},
+                                   plain_every=2)
+    assert [(c["method"], c.get("slot"), c.get("plain")) for c in configs] == [
+        ("plain", "first", None), ("tova", None, ["first", "after-2"]), ("lagkv", None, ["first", "after-2"]),
+        ("plain", "after-2", None), ("h2o", None, ["after-2", "last"]), ("plain", "last", None)]
+    speeds = {"first": 40.0, "after-2": 50.0, "last": 80.0, "tova": 100.0, "lagkv": 120.0, "h2o": 160.0}
+    runs = [{**_run(c["method"], 2048, speeds[c.get("slot") or c["method"]], slot=c.get("slot")), "config": c}
+            for c in configs]
+    rows = {r["run"]: r for r in bench.ratios(runs)}
+    # tova and lagkv against 40 and 50; h2o against 50 and 80
+    assert [(rows[m]["x_plain_before"], rows[m]["x_plain_after"]) for m in methods] == [
+        (2.5, 2.0), (3.0, 2.4), (3.2, 2.0)]
+    # without it: one group, the first and the last plain runs, and no bracket in the configurations
+    assert [c.get("plain") for c in bench.configurations(methods, [2048], {}, {m: {} for m in methods})] == [None] * 5
 
 
 def test_resume_runs_only_what_is_missing_or_failed_and_keeps_the_rest(tmp_path, monkeypatch):
