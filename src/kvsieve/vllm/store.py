@@ -267,11 +267,11 @@ class _Batch:
     """R requests compressed together, each a row of one ``LayerView`` per layer: keys (and values
     if read) gathered from every request's blocks into [R, H_kv, S, D] (S: the longest KV length; a
     shorter request's padding slots are dead, at DEAD_POS and zero), its positions and fields
-    beside them, its recorded queries as the row's recent queries.  kvsieve's schedule then scores every row at
-    once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one move per layer puts each
-    request's kept slots into its own first slots (``paged.compact_rows``; for a slot-order-free
-    scorer only those beyond ``keep``, into the evicted ones: ``hole_moves``), the slots'
-    positions and fields moving with them.  Each request keeps its ``keep`` (the same in the
+    beside them, its recorded queries as the row's recent queries.  kvsieve's schedule then scores
+    every row at once (``schedule.keep_set``, a keep-set [R, H_kv, keep]) and one move per layer
+    puts each request's kept slots into its own first slots (``paged.compact_rows``; for a
+    slot-order-free scorer only those beyond ``keep``, into the evicted ones: ``hole_moves``), the
+    slots' positions and fields moving with them.  Each request keeps its ``keep`` (the same in the
     batch); the count and the choice are per row, so a batch keeps what each request alone keeps.
 
     A scorer that reads nothing of a layer but its rows (``Needs.stacks_layers``) has several
