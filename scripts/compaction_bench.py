@@ -43,7 +43,7 @@ def trial(settings: SieveSettings, args, requests: int, stack_bytes: int, seed: 
     blocks = -(-kv_len // B)
     caches = [torch.randn(requests * blocks, H, B, 2 * D, generator=g) for _ in range(L)]
     ring = max(settings.policy.scorer.needs.query_window, B)  # the query window, or the block replayed
-    rings = HeldRings({f"r{r}": torch.randn(L, ring, HQ, D, generator=g) for r in range(requests)})
+    rings = HeldRings({f"r{r}": torch.randn(L, HQ, ring, D, generator=g) for r in range(requests)})
     items = []
     for r in range(requests):
         state = RequestState()

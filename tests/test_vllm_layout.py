@@ -60,6 +60,6 @@ def test_query_rings_hand_back_each_requests_last_queries():
         assert recorder.held(req) == min(len(seen[req]), window)
     ids = ["y", "z", "w"]
     for n in (1, 2, 3):
-        got = recorder.rows(1, ids, n)  # [R, n, H, D]
-        assert torch.equal(got, torch.stack([torch.stack(seen[r][-n:]) for r in ids]))
+        got = recorder.rows(1, ids, n)  # [R, H, n, D]
+        assert torch.equal(got, torch.stack([torch.stack(seen[r][-n:], dim=1) for r in ids]))
     assert not recorder.rows(0, ids, 2).any()  # layer "a" got zeros

@@ -332,9 +332,9 @@ def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int 
                                                 kept_blocks=len(blocks), logical_len=logical, prompt_len=prompt)))
             lengths[r] = keep
 
-        # each request's ring: its last `ring` queries in every layer [L, n, H_q, D]
+        # each request's ring: its last `ring` queries in every layer, head-major [L, H_q, n, D]
         rings = None if not ring else HeldRings({
-            c.req_id: requests[r][2][:, c.logical_len - min(ring, c.logical_len):c.logical_len]
+            c.req_id: requests[r][2][:, c.logical_len - min(ring, c.logical_len):c.logical_len].transpose(1, 2)
             for r, (_, c) in enumerate(items)})
         if together:
             lost = compress_requests(policy, CpuLayout(), caches, [SCALING] * L, items, rings,
@@ -345,7 +345,7 @@ def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int 
         else:
             for state, c in items:
                 compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
-                                 lambda layer, c=c: None if rings is None else rings.queries[c.req_id][layer])
+                                 lambda layer, c=c: None if rings is None else rings.queries[c.req_id][layer].transpose(0, 1))
     return caches, states
 
 

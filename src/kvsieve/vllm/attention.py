@@ -18,19 +18,21 @@ BACKEND_PATH = "kvsieve.vllm.attention.SieveCPUAttentionBackend"
 
 class QueryRecorder:
     """The last ``window`` queries of every request slot, per layer: ``buffers[layer]`` is
-    [max_slots * window, H_q, D], a ring per slot.  The model runner plans each step (``plan``:
-    which query rows go to which ring entries); each layer then stores them with one index_copy_."""
+    [max_slots * H_q * window, D], a ring per slot and head, head-major as scorers read queries
+    ([R, H_q, n, D]), so ``rows`` is one index_select and no transposing copy.  The model runner
+    plans each step (``plan``: which query rows go to which ring entries); each layer then stores
+    them with one index_copy_."""
 
     def __init__(self, layer_names: list[str], max_slots: int, window: int, num_heads: int, head_size: int,
                  dtype: torch.dtype):
         self.index = {name: i for i, name in enumerate(layer_names)}
-        self.window = window
-        self.buffers = [torch.zeros(max_slots * window, num_heads, head_size, dtype=dtype) for _ in layer_names]
+        self.window, self.num_heads = window, num_heads
+        self.buffers = [torch.zeros(max_slots * num_heads * window, head_size, dtype=dtype) for _ in layer_names]
         self.count = torch.zeros(max_slots, dtype=torch.long)  # queries seen per slot (ring position)
         self.slot_of: dict[str, int] = {}  # request -> its ring (stable while the request lives)
         self.free = list(range(max_slots - 1, -1, -1))
         self.src: torch.Tensor | None = None  # this step's query rows to record
-        self.dst: torch.Tensor | None = None  # and where they go in each layer's buffer
+        self.dst: torch.Tensor | None = None  # and where each row's heads go in each layer's buffer
 
     def slot(self, req_id: str) -> int:
         if req_id not in self.slot_of:
@@ -53,15 +55,17 @@ class QueryRecorder:
             seen = int(self.count[slot])
             for j, row in enumerate(range(first, end)):
                 src.append(row)
-                dst.append(slot * self.window + (seen + j) % self.window)
+                dst.append(slot * self.num_heads * self.window + (seen + j) % self.window)
             self.count[slot] = seen + (end - first)
+        heads = torch.arange(self.num_heads) * self.window  # [H_q]: each head's ring within a slot
         self.src = torch.tensor(src, dtype=torch.long) if src else None
-        self.dst = torch.tensor(dst, dtype=torch.long) if dst else None
+        self.dst = (torch.tensor(dst, dtype=torch.long)[:, None] + heads).flatten() if dst else None  # [T * H_q]
 
     def record(self, layer_name: str, query: torch.Tensor) -> None:
         if self.src is None:
             return
-        self.buffers[self.index[layer_name]].index_copy_(0, self.dst, query.index_select(0, self.src))
+        buffer = self.buffers[self.index[layer_name]]
+        buffer.index_copy_(0, self.dst, query.index_select(0, self.src).reshape(-1, buffer.shape[-1]))  # [T * H_q, D]
 
     def held(self, req_id: str) -> int:
         """Queries the request's ring holds: all it has seen, up to ``window``."""
@@ -69,16 +73,17 @@ class QueryRecorder:
 
     def heads(self) -> int:
         """H_q, the query heads of each recorded query."""
-        return self.buffers[0].shape[1]
+        return self.num_heads
 
     def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
         """The last ``n`` recorded queries of each request in one layer, oldest first, in one
-        index_select: [R, n, H_q, D] (each request holds at least ``n``: ``held``)."""
+        index_select: [R, H_q, n, D] (each request holds at least ``n``: ``held``)."""
         slots = torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.long)  # [R]
         seen = self.count[slots][:, None]  # [R, 1]
         ring = (seen - n + torch.arange(n)[None]) % self.window  # [R, n]: the ring entries, oldest first
-        index = slots[:, None] * self.window + ring
-        return self.buffers[layer].index_select(0, index.flatten()).view(len(req_ids), n, *self.buffers[layer].shape[1:])
+        heads = torch.arange(self.num_heads)[None, :, None] * self.window  # [1, H_q, 1]
+        index = (slots[:, None] * self.num_heads * self.window)[:, None] + heads + ring[:, None]  # [R, H_q, n]
+        return self.buffers[layer].index_select(0, index.flatten()).view(len(req_ids), self.num_heads, n, -1)
 
 
 class SieveCPUAttentionImpl(CPUAttentionBackendImpl):

@@ -62,7 +62,8 @@ class Rings(Protocol):
         ...
 
     def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
-        """The last ``n`` queries of each request in one layer, oldest first: [R, n, H_q, D]."""
+        """The last ``n`` queries of each request in one layer, oldest first, head-major (as scorers
+        read them, ``LayerView.recent_queries``): [R, H_q, n, D]."""
         ...
 
     def heads(self) -> int:
@@ -72,19 +73,20 @@ class Rings(Protocol):
 
 @dataclass
 class HeldRings:
-    """Rings held as tensors: ``queries[req_id]`` [L, n, H_q, D] each request's last n queries per
-    layer, oldest first (one request's, for ``compress_request``; tests)."""
+    """Rings held as tensors: ``queries[req_id]`` [L, H_q, n, D] each request's last n queries per
+    layer, oldest first, head-major as the worker's recorder keeps them (one request's, for
+    ``compress_request``; tests)."""
 
     queries: dict[str, torch.Tensor]
 
     def held(self, req_id: str) -> int:
-        return self.queries[req_id].shape[1]
+        return self.queries[req_id].shape[2]
 
     def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
-        return torch.stack([self.queries[r][layer, self.held(r) - n:] for r in req_ids])
+        return torch.stack([self.queries[r][layer, :, self.held(r) - n:] for r in req_ids])
 
     def heads(self) -> int:
-        return next(iter(self.queries.values())).shape[2]
+        return next(iter(self.queries.values())).shape[1]
 
 
 @dataclass
@@ -123,12 +125,12 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
     alike (``replay_shape``): rows whose prompt queries start and end at the same positions (a
     first compaction), or rows with as many decode queries each.
 
-    queries: [R, n, H_q, D] each request's last n recorded queries, oldest first, at positions
+    queries: [R, H_q, n, D] each request's last n recorded queries, oldest first, at positions
     ``logical_len - n`` .. ``logical_len - 1`` (logical_len, since, prompt_len: [R]); each call's
     rows are [R, H_kv, G, T, S].  Each call sees the layer as it was then: slots appended after
     the call's query are dead (their position DEAD_POS), so a scorer's ``live()`` and its writes
     leave them at their initial state."""
-    R, n = queries.shape[:2]
+    R, n = queries.shape[0], queries.shape[2]
     first = logical_len - n  # [R] the position of each request's oldest recorded query
     if n == 0 or bool((since < first).any()):
         raise RuntimeError(f"kvsieve: {scorer.name} observes the queries from position {since.tolist()} on, but only "
@@ -139,19 +141,19 @@ def observe_since(scorer, layer: LayerView, queries: torch.Tensor, logical_len: 
         if any(bool((t != t[0]).any()) for t in (since, prompt_len, logical_len)):
             raise RuntimeError("kvsieve: prompts' queries are replayed together only from and to the same positions")
         start, end = int(since[0]), int(min(prompt_len[0], logical_len[0]))
-        query = queries[:, start - int(first[0]):end - int(first[0])].permute(0, 2, 1, 3)  # [R, H_q, T, D]
+        query = queries[:, :, start - int(first[0]):end - int(first[0])]  # [R, H_q, T, D]
         _observe_then(scorer, layer, pos, query, torch.arange(start, end).expand(R, -1), torch.full((R,), end))
     decode_from = torch.maximum(since, prompt_len)  # [R]
     steps = max(0, int((logical_len - decode_from)[0]))  # none while a prompt is read in chunks
     if steps and scorer.needs.observes_steps:  # every decode query in one call, causal by position
         at = decode_from[:, None] + torch.arange(steps)  # [R, T]
-        query = queries[rows[:, None], at - first[:, None]].permute(0, 2, 1, 3)  # [R, H_q, T, D]
+        query = queries.take_along_dim((at - first[:, None])[:, None, :, None], dim=2)  # [R, H_q, T, D]
         allowed = visible(pos, at, layer.sliding_window)  # [R, H_kv, T, S]
         scorer.observe(layer, attention_probs(query, layer.keys, allowed, layer.scaling), at, steps=True)
         return
     for step in range(steps):
         at = decode_from + step  # [R] each request's query position in this call
-        query = queries[rows, at - first][:, :, None]  # [R, H_q, 1, D]
+        query = queries[rows, :, at - first][:, :, None]  # [R, H_q, 1, D]
         _observe_then(scorer, layer, pos, query, at[:, None], at + 1)
 
 
@@ -257,7 +259,7 @@ def compress_request(policy, layout: Layout, caches: list[torch.Tensor], scaling
     """One request alone (``compress_requests`` with one): queries_of(layer) its recorded queries
     [n, H_q, D] in that layer, oldest first (None when the scorer reads none)."""
     queries = [queries_of(layer) for layer in range(len(caches))]
-    rings = None if queries[0] is None else HeldRings({c.req_id: torch.stack(queries)})
+    rings = None if queries[0] is None else HeldRings({c.req_id: torch.stack(queries).transpose(1, 2)})
     failed = compress_requests(policy, layout, caches, scalings, [(state, c)], rings)
     if failed:
         raise RuntimeError(f"kvsieve: request {c.req_id} not compressed: {failed[c.req_id]}")
@@ -333,8 +335,7 @@ class _Batch:
         recent = recent_pos = None
         if needs.query_window:
             held = min(needs.query_window, rings.held(req_ids[0]))
-            recent = stack([rings.rows(layer, req_ids, held) for layer in layers])  # [n * R, w, H_q, D]
-            recent = recent.permute(0, 2, 1, 3).contiguous()  # [n * R, H_q, w, D]: elementwise ops on it stay fast
+            recent = stack([rings.rows(layer, req_ids, held) for layer in layers])  # [n * R, H_q, w, D]
             recent_pos = seen[:, None] - held + torch.arange(held)[None]  # [n * R, w]
         meta = {"pos": self.pos[layers.start:layers.stop].view(n * R, H, S),
                 **{name: t[layers.start:layers.stop].view(n * R, H, S) for name, t in self.fields.items()}}
@@ -342,13 +343,13 @@ class _Batch:
         view = LayerView(keys, values, lengths[:, None].expand(n * R, H), meta, {}, recent, recent_pos, scaling, {},
                          layers.start, S, prompt_len=kept_prompt)
         if needs.observes_last_only:
-            last = stack([rings.rows(layer, req_ids, 1)[:, 0] for layer in layers])  # [n * R, H_q, D]
+            last = stack([rings.rows(layer, req_ids, 1)[:, :, 0] for layer in layers])  # [n * R, H_q, D]
             observe_last(policy.scorer, view, last, seen)
         elif needs.observes:  # rows that replay alike: each one's queries since its last compaction
             count = int(self.seen[0] - self.since[0])  # the same in every row (replay_shape)
             if any(rings.held(r) < count for r in req_ids):
                 raise RuntimeError(f"kvsieve: {policy.scorer.name} replays {count} queries, more than were recorded")
-            queries = stack([rings.rows(layer, req_ids, count) for layer in layers])  # [n * R, count, H_q, D]
+            queries = stack([rings.rows(layer, req_ids, count) for layer in layers])  # [n * R, H_q, count, D]
             observe_since(policy.scorer, view, queries, seen, self.since.repeat(n), self.prompts.repeat(n))
         return view
 
