@@ -146,16 +146,17 @@ def masking_bias(allowed: torch.Tensor) -> torch.Tensor:
     return allowed.view(torch.uint8).to(torch.float32).reciprocal_().neg_().add_(1)
 
 
-def window_attention(layer: SieveLayer) -> torch.Tensor:
-    """Attention of the layer's recent queries over its current cache: [B, H_kv, G, w, capacity].
+def window_attention(layer: SieveLayer, rows: slice = slice(None)) -> torch.Tensor:
+    """Attention of the layer's recent queries over its current cache: [B, H_kv, G, w, capacity]
+    (``rows``: those rows of the batch only).
 
     Rows of padding queries are zero, so sums over the window count real queries only.
     """
     if layer.recent_queries is None:
         raise RuntimeError("window_attention: no queries recorded; the scorer must set query_window > 0")
-    qpos = layer.recent_query_pos  # [B, w]
-    probs = attention_probs(layer.recent_queries, layer.keys, visible(layer.meta["pos"], qpos, layer.sliding_window),
-                            layer.scaling)
+    qpos = layer.recent_query_pos[rows]  # [B, w]
+    probs = attention_probs(layer.recent_queries[rows], layer.keys[rows],
+                            visible(layer.meta["pos"][rows], qpos, layer.sliding_window), layer.scaling)
     real = qpos != DEAD_POS  # [B, w]; the newest query is always a real token (left padding comes first)
     if bool(real.all()):
         return probs

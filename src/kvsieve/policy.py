@@ -67,8 +67,8 @@ class Needs:
         ``observe(..., steps=True)`` takes T decode steps' rows in one call and leaves the state T
         calls of one row leave (vLLM's worker replays a request's queries since a compaction so).
     query_window : int; attends_window : bool
-        Recent post-RoPE queries per layer the engine keeps for ``score``, which attends them over
-        the cache (SnapKV, AMS) unless ``attends_window`` is False (Expected Attention's statistics).
+        Recent post-RoPE queries per layer the engine keeps for ``score``, which attends them over the
+        cache (SnapKV) unless ``attends_window`` is False (Expected's statistics; AMS's own, in chunks).
     per_token_hook : bool
         ``attach()`` yields a per-token host callback (SkipKV's sentences).
     sentences : tuple[str, ...]

@@ -61,10 +61,34 @@ from ._wrapper import WrappingScorer
 CREDIT = "ams_credit"  # per-token EMA credit (Sec. 3.3), compacted with K/V
 
 
+# Rows whose window attention is computed at once: about 2 MiB of attention rows, so they are
+# summed while in cache and the stack's rows are bounded by its queries, not by these rows
+# (``Needs.attends_window`` False).
+CHUNK_BYTES = 2 << 20
+
+
 # ---------------------------------------------------------------------------- Step 1-2: mass
+def window_observations(window) -> tuple[torch.Tensor, torch.Tensor]:
+    """What Eq. (1) reads of the attention ``probs`` [B, H, G, w, S] of ``window``'s recent queries
+    over its cache (``attention.window_attention``): their sum over the queries [B, H, G, S] and
+    their maximum over the window [B, H, G, 1], computed a few rows at a time (``CHUNK_BYTES``)."""
+    queries, keys = window.recent_queries, window.keys  # [B, H_q, w, D], [B, H, S, D]
+    B, H, S = keys.shape[:3]
+    G, w = queries.shape[1] // H, queries.shape[2]
+    total, top = keys.new_empty(B, H, G, S, dtype=torch.float32), keys.new_empty(B, H, G, 1, dtype=torch.float32)
+    step = max(1, CHUNK_BYTES // (H * G * w * S * 4))
+    for start in range(0, B, step):
+        rows = slice(start, start + step)
+        probs = window_attention(window, rows)  # [b, H, G, w, S]
+        total[rows] = probs.sum(dim=-2)
+        top[rows] = probs.amax(dim=(-1, -2))[..., None]
+    return total, top
+
+
 def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, padding: str = "missing",
-                 head_reduction: str = "mean") -> torch.Tensor:
-    """Eq. (1) mass [B, H, S] from window attention ``probs`` [B, H, G, w, S] (App. B.4).
+                 head_reduction: str = "mean", observed: tuple | None = None) -> torch.Tensor:
+    """Eq. (1) mass [B, H, S] from window attention ``probs`` [B, H, G, w, S] (App. B.4), or from
+    what it reads of them, ``observed`` (``window_observations``; ``probs`` then None).
 
     query_pos [B, w] (DEAD_POS: padding query), key_pos and live [B, H, S].  "missing": each
     masked observation (key after the query) is the maximum observed in the window of that query
@@ -77,9 +101,8 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
     """
     real = query_pos != DEAD_POS  # [B, w]
     n_real = real.sum(dim=-1).clamp(min=1)[:, None, None, None]  # [B, 1, 1, 1]
-    total = probs.sum(dim=-2)  # [B, H, G, S]
+    total, window_max = observed or (probs.sum(dim=-2), probs.amax(dim=(-1, -2))[..., None])  # [B, H, G, S], [B, H, G, 1]
     if padding == "missing":
-        window_max = probs.amax(dim=(-1, -2))[..., None]  # [B, H, G, 1]
         total = total + window_max * missed_by(query_pos, key_pos)[:, :, None]  # dead keys: every query missed them
     usage = reduce_group(total / n_real, head_reduction)  # [B, H, S]
     order = key_pos.argsort(dim=-1, stable=True)  # [B, H, S] slots by position, dead slots (DEAD_POS) last
@@ -192,7 +215,9 @@ class AMS(WrappingScorer):
         # is free when the base's scores are; the keep-set is ``select``'s, never the scores' alone
         self.wrap(self.prefix, inner, example="expected",
                   meta={**inner.needs.meta, **({CREDIT: 0.0} if self.use_credit else {})},
-                  query_window=max(self.mass_window, inner.needs.query_window), attends_window=True,
+                  # its own window attended a few rows at a time (``window_observations``)
+                  query_window=max(self.mass_window, inner.needs.query_window),
+                  attends_window=inner.needs.attends_window and inner.needs.query_window > 1,
                   slot_order_free=inner.needs.slot_order_free, selects=True,
                   aligned_heads=False, heads_combined_by="",
                   # the released code's batch-mean segments and batch-wide suffix maximum read every row
@@ -215,10 +240,9 @@ class AMS(WrappingScorer):
     def mass(self, layer) -> torch.Tensor:
         """Steps 1-2: the (history-aware) mass [B, H_kv, cap]; updates the credit in place."""
         window = layer.view().last_queries(self.mass_window)
-        probs = window_attention(window)  # [B, H, G, W, cap]
         live = layer.live()
-        mass = quality_mass(probs, window.recent_query_pos, layer.meta["pos"], live, self.mass_kernel,
-                            self.mass_epsilon, self.padding, self.mass_reduction)
+        mass = quality_mass(None, window.recent_query_pos, layer.meta["pos"], live, self.mass_kernel,
+                            self.mass_epsilon, self.padding, self.mass_reduction, window_observations(window))
         if not self.use_credit:
             return mass
         layer.meta[CREDIT], mass = ema_credit(layer.meta[CREDIT], mass, live, self.ema_lambda, self.ema_beta)
