@@ -28,7 +28,8 @@ from transformers import AutoConfig
 from kvsieve.models import ensure_bundled
 from kvsieve.vllm.paged import CpuLayout
 from kvsieve.vllm.plan import Compaction, SieveSettings, count_of
-from kvsieve.vllm.store import STACK_BYTES, HeldRings, RequestState, compress_requests
+from kvsieve.vllm.rings import QueryRecorder
+from kvsieve.vllm.store import STACK_BYTES, RequestState, compress_requests
 
 METHODS = "streaming,tova,h2o,snapkv,expected,rkv,lazy,raas,lagkv,ams:tova,caote:tova,keydiff"
 
@@ -43,7 +44,11 @@ def trial(settings: SieveSettings, args, requests: int, stack_bytes: int, seed: 
     blocks = -(-kv_len // B)
     caches = [torch.randn(requests * blocks, H, B, 2 * D, generator=g) for _ in range(L)]
     ring = max(settings.policy.scorer.needs.query_window, B)  # the query window, or the block replayed
-    rings = HeldRings({f"r{r}": torch.randn(L, HQ, ring, D, generator=g) for r in range(requests)})
+    rings = QueryRecorder([str(layer) for layer in range(L)], requests, ring, HQ, D, torch.float32)  # as the worker's
+    rings.plan([f"r{r}" for r in range(requests)], [r * ring for r in range(requests)],
+               [(r + 1) * ring for r in range(requests)])
+    for layer in range(L):
+        rings.record(str(layer), torch.randn(requests * ring, HQ, D, generator=g))
     items = []
     for r in range(requests):
         state = RequestState()

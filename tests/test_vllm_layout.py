@@ -30,36 +30,3 @@ def test_gather_reads_what_vllms_cpu_kernel_wrote(dtype):
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
     keys, values = gather(layout, cache, block_ids, tokens)
     assert torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))
-
-
-def test_query_rings_hand_back_each_requests_last_queries():
-    """``QueryRecorder``: steps of several requests' query rows (prefill chunks longer than the ring,
-    single decode rows, a request finishing and its ring reused), then ``rows`` of several
-    requests at once equals each request's last n queries kept here in plain lists."""
-    from kvsieve.vllm.attention import QueryRecorder
-
-    window, heads, dim = 4, 2, 3
-    recorder = QueryRecorder(["a", "b"], max_slots=3, window=window, num_heads=heads, head_size=dim,
-                             dtype=torch.float32)
-    seen: dict[str, list[torch.Tensor]] = {}  # request -> every query row recorded, layer "b"
-    g = torch.Generator().manual_seed(0)
-    steps = [{"x": 6, "y": 2}, {"x": 1, "y": 1}, {"x": 1, "z": 3}, {"y": 1, "z": 1}, {"z": 1, "w": 5}]
-    for step in steps:
-        if "w" in step:  # x finished: its ring is free for w
-            recorder.forget("x")
-            seen.pop("x")
-        ids, counts = list(step), list(step.values())
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        recorder.plan(ids, [e - n for e, n in zip(ends, counts)], ends)
-        rows = torch.randn(ends[-1], heads, dim, generator=g)
-        recorder.record("a", torch.zeros_like(rows))
-        recorder.record("b", rows)
-        for req, start, end in zip(ids, [e - n for e, n in zip(ends, counts)], ends):
-            seen.setdefault(req, []).extend(rows[start:end])
-    for req in seen:
-        assert recorder.held(req) == min(len(seen[req]), window)
-    ids = ["y", "z", "w"]
-    for n in (1, 2, 3):
-        got = recorder.rows(1, ids, n)  # [R, H, n, D]
-        assert torch.equal(got, torch.stack([torch.stack(seen[r][-n:], dim=1) for r in ids]))
-    assert not recorder.rows(0, ids, 2).any()  # layer "a" got zeros

@@ -611,3 +611,37 @@ def test_a_compaction_never_moves_the_prompt_prefix_prefix_caching_shares(config
         assert all(torch.equal(cache[b], old[b]) for b in BLOCKS[:shared // BLOCK])
     assert any(not torch.equal(cache[b], old[b]) for cache, old in zip(caches, before)
                for b in BLOCKS[shared // BLOCK:])  # the compaction did move tokens after the prefix
+
+
+def test_query_rings_hand_back_each_requests_last_queries():
+    """``QueryRecorder``: steps of several requests' query rows (prefill chunks longer than the ring,
+    single decode rows, a request finishing and its ring reused), then ``rows`` of several
+    requests at once equals each request's last n queries kept here in plain lists."""
+    from kvsieve.vllm.rings import QueryRecorder
+
+    window, heads, dim = 4, 2, 3
+    recorder = QueryRecorder(["a", "b"], max_slots=3, window=window, num_heads=heads, head_size=dim,
+                             dtype=torch.float32)
+    seen: dict[str, list[torch.Tensor]] = {}  # request -> every query row recorded, layer "b"
+    g = torch.Generator().manual_seed(0)
+    steps = [{"x": 6, "y": 2}, {"x": 1, "y": 1}, {"x": 1, "z": 3}, {"y": 1, "z": 1}, {"z": 1, "w": 5}]
+    for step in steps:
+        if "w" in step:  # x finished: its ring is free for w
+            recorder.forget("x")
+            seen.pop("x")
+        ids, counts = list(step), list(step.values())
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        recorder.plan(ids, [e - n for e, n in zip(ends, counts)], ends)
+        rows = torch.randn(ends[-1], heads, dim, generator=g)
+        recorder.record("a", torch.zeros_like(rows))
+        recorder.record("b", rows)
+        for req, start, end in zip(ids, [e - n for e, n in zip(ends, counts)], ends):
+            seen.setdefault(req, []).extend(rows[start:end])
+    for req in seen:
+        assert recorder.held(req) == min(len(seen[req]), window)
+    ids = ["y", "z", "w"]
+    for n in (1, 2, 3):
+        got = recorder.rows(range(1, 2), ids, n)  # [R, H, n, D]
+        assert torch.equal(got, torch.stack([torch.stack(seen[r][-n:], dim=1) for r in ids]))
+        both = recorder.rows(range(0, 2), ids, n)  # [2 * R, H, n, D], layer-major
+        assert not both[:len(ids)].any() and torch.equal(both[len(ids):], got)  # layer "a" got zeros

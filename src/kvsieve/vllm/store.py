@@ -7,7 +7,7 @@ of one read-only ``engine.LayerReader`` (a ``cache.LayerView``) per layer: keys 
 request's padding slots are dead), values too where the scorer reads them (``Needs.reads_values``);
 each slot's logical position and each per-token field the scorer declares (``Needs.meta``), kept
 per request between compactions (``RequestState``); each request's recorded post-RoPE queries
-(``attention.QueryRecorder``) where the scorer declares ``Needs.query_window``. kvsieve's own
+(``rings.QueryRecorder``) where the scorer declares ``Needs.query_window``. kvsieve's own
 schedule then chooses every row's kept slots at once (``schedule.keep_set``: the scorer,
 ``protected_scores``'s sinks, recent window and protected prompt, the top ``keep`` or the scorer's
 own ``select``), with the count the scheduler fixed, equal in every (layer, kv head) (one block
@@ -52,18 +52,23 @@ from .plan import Compaction
 # requests 775 -> 637 ms, Expected Attention 697 -> 631) and 12 or 16 MiB (AMS 895, 882 ms); the
 # rest are within a few percent from 4 to 16 MiB (1, 16 and 64 requests).
 STACK_BYTES = 8 * 2**20
+# The window queries of a scorer that only reads them, a few rows at a time (``Needs.attends_window``
+# False: Expected Attention's statistics, AMS's mass), count this fraction of their bytes against
+# STACK_BYTES: they are read once in chunks, where attention rows and key similarities are written
+# and read again whole.
+QUERIES_READ_SHARE = 4
 
 
 class Rings(Protocol):
-    """The recorded post-RoPE queries of live requests (``attention.QueryRecorder``; ``HeldRings``)."""
+    """The recorded post-RoPE queries of live requests (``rings.QueryRecorder``; ``HeldRings``)."""
 
     def held(self, req_id: str) -> int:
         """Queries the request's ring holds."""
         ...
 
-    def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
-        """The last ``n`` queries of each request in one layer, oldest first, head-major (as scorers
-        read them, ``LayerView.recent_queries``): [R, H_q, n, D]."""
+    def rows(self, layers: range, req_ids: list[str], n: int) -> torch.Tensor:
+        """The last ``n`` queries of each request in a run of layers, oldest first, head-major (as
+        scorers read them, ``LayerView.recent_queries``): [len(layers) * R, H_q, n, D], layer-major."""
         ...
 
     def heads(self) -> int:
@@ -82,8 +87,9 @@ class HeldRings:
     def held(self, req_id: str) -> int:
         return self.queries[req_id].shape[2]
 
-    def rows(self, layer: int, req_ids: list[str], n: int) -> torch.Tensor:
-        return torch.stack([self.queries[r][layer, :, self.held(r) - n:] for r in req_ids])
+    def rows(self, layers: range, req_ids: list[str], n: int) -> torch.Tensor:
+        parts = [self.queries[r][layers.start:layers.stop, :, self.held(r) - n:] for r in req_ids]  # [n_l, H_q, n, D]
+        return torch.stack(parts, dim=1).flatten(0, 1)
 
     def heads(self) -> int:
         return next(iter(self.queries.values())).shape[1]
@@ -335,7 +341,7 @@ class _Batch:
         recent = recent_pos = None
         if needs.query_window:
             held = min(needs.query_window, rings.held(req_ids[0]))
-            recent = stack([rings.rows(layer, req_ids, held) for layer in layers])  # [n * R, H_q, w, D]
+            recent = rings.rows(layers, req_ids, held)  # [n * R, H_q, w, D]
             recent_pos = seen[:, None] - held + torch.arange(held)[None]  # [n * R, w]
         meta = {"pos": self.pos[layers.start:layers.stop].view(n * R, H, S),
                 **{name: t[layers.start:layers.stop].view(n * R, H, S) for name, t in self.fields.items()}}
@@ -343,13 +349,13 @@ class _Batch:
         view = LayerView(keys, values, lengths[:, None].expand(n * R, H), meta, {}, recent, recent_pos, scaling, {},
                          layers.start, S, prompt_len=kept_prompt)
         if needs.observes_last_only:
-            last = stack([rings.rows(layer, req_ids, 1)[:, :, 0] for layer in layers])  # [n * R, H_q, D]
+            last = rings.rows(layers, req_ids, 1)[:, :, 0]  # [n * R, H_q, D]
             observe_last(policy.scorer, view, last, seen)
         elif needs.observes:  # rows that replay alike: each one's queries since its last compaction
             count = int(self.seen[0] - self.since[0])  # the same in every row (replay_shape)
             if any(rings.held(r) < count for r in req_ids):
                 raise RuntimeError(f"kvsieve: {policy.scorer.name} replays {count} queries, more than were recorded")
-            queries = stack([rings.rows(layer, req_ids, count) for layer in layers])  # [n * R, H_q, count, D]
+            queries = rings.rows(layers, req_ids, count)  # [n * R, H_q, count, D]
             observe_since(policy.scorer, view, queries, seen, self.since.repeat(n), self.prompts.repeat(n))
         return view
 
@@ -454,7 +460,7 @@ def layer_bytes(policy, layout: Layout, caches: list[torch.Tensor], requests: li
         queries = min(needs.query_window, rings.held(requests[0][1].req_id))
     heads_q = rings.heads() if rings is not None else H
     head_dim = layout.key_value(caches[0])[0].shape[-1]
-    per_query = S if needs.attends_window or not needs.query_window else head_dim
+    per_query = S if needs.attends_window or not needs.query_window else head_dim // QUERIES_READ_SHARE
     return R * 4 * max(H * S * head_dim, heads_q * max(queries, 1) * per_query, H * S * S if needs.compares_keys else 0)
 
 
@@ -509,11 +515,6 @@ def moved_slots(t: torch.Tensor, row: torch.Tensor, head: torch.Tensor, dst: tor
     out = t[..., :keep].clone()
     out[row, head, dst] = t[row, head, src]
     return out
-
-
-def stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors [R, ...] of consecutive layers as one [n * R, ...], layer-major (one alone as it is)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:

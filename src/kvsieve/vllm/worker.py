@@ -42,7 +42,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from ..methods.triattention import TriAttention
 from ..policy import Policy
 from . import check_vllm
-from .attention import QueryRecorder, SieveCPUAttentionImpl, install
+from .attention import SieveCPUAttentionImpl, install
+from .rings import QueryRecorder
 from .metrics import WorkerCounts
 from .paged import CpuLayout
 from .bounds import held_tokens
