@@ -345,7 +345,8 @@ def _compress_all(policy, ring: int, requests, together: bool, stack_bytes: int 
         else:
             for state, c in items:
                 compress_request(policy, CpuLayout(), caches, [SCALING] * L, state, c,
-                                 lambda layer, c=c: None if rings is None else rings.queries[c.req_id][layer].transpose(0, 1))
+                                 lambda layer, c=c: None if rings is None
+                                 else rings.queries[c.req_id][layer].transpose(0, 1))
     return caches, states
 
 

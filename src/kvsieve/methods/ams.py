@@ -101,7 +101,8 @@ def quality_mass(probs, query_pos, key_pos, live, kernel: int, eps: float, paddi
     """
     real = query_pos != DEAD_POS  # [B, w]
     n_real = real.sum(dim=-1).clamp(min=1)[:, None, None, None]  # [B, 1, 1, 1]
-    total, window_max = observed or (probs.sum(dim=-2), probs.amax(dim=(-1, -2))[..., None])  # [B, H, G, S], [B, H, G, 1]
+    # [B, H, G, S] and [B, H, G, 1]
+    total, window_max = observed or (probs.sum(dim=-2), probs.amax(dim=(-1, -2))[..., None])
     if padding == "missing":
         total = total + window_max * missed_by(query_pos, key_pos)[:, :, None]  # dead keys: every query missed them
     usage = reduce_group(total / n_real, head_reduction)  # [B, H, S]
