@@ -15,7 +15,7 @@ from kvsieve.analysis.trace import TraceRecorder
 from kvsieve.attention import StepState, sieve_attention, window_attention
 from kvsieve.cache import DEAD_POS, LayerView, SieveCache
 from kvsieve.methods import WRAPPERS, describe_methods, make_policy
-from kvsieve.methods import ams
+from kvsieve.methods import _common
 from kvsieve.methods.ams import CREDIT, ema_credit, missed_by, quality_mass, window_observations
 from kvsieve.schedule import Schedule, compress_layer, indices_from_mask
 from kvsieve.methods._segments import (SegmentQuotas, allocate_quotas, fill_to_budget, segment_ids, segment_starts,
@@ -190,7 +190,7 @@ def test_mass_pads_masked_observations_with_the_window_max():
 
 @pytest.mark.parametrize("rows_at_once", [1, 3, 8])
 def test_window_observed_a_few_rows_at_a_time_gives_the_whole_windows_sums(rows_at_once, monkeypatch):
-    """``window_observations`` attends a few rows at a time (``CHUNK_BYTES``): its sum over the
+    """``window_observations`` attends a few rows at a time (``row_chunks``): its sum over the
     queries and window maximum equal, bit for bit, those of the whole batch's ``window_attention``
     (padding queries, dead slots, keys after the queries), and so does the mass built from them."""
     g = torch.Generator().manual_seed(7)
@@ -201,7 +201,7 @@ def test_window_observed_a_few_rows_at_a_time_gives_the_whole_windows_sums(rows_
     qpos[5, :2] = DEAD_POS  # padding queries
     view = LayerView(torch.randn(rows, H, S, D, generator=g), None, torch.full((rows, H), S), {"pos": pos}, {},
                      torch.randn(rows, H * G, w, D, generator=g), qpos, D ** -0.5, {}, 0, S)
-    monkeypatch.setattr(ams, "CHUNK_BYTES", rows_at_once * H * G * w * S * 4)
+    monkeypatch.setattr(_common, "CHUNK_BYTES", rows_at_once * H * G * w * S * 4)
     total, top = window_observations(view)
     probs = window_attention(view)  # [rows, H, G, w, S]
     assert torch.equal(total, probs.sum(dim=-2)) and torch.equal(top, probs.amax(dim=(-1, -2))[..., None])

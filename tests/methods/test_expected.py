@@ -189,7 +189,7 @@ def test_a_stack_scored_a_few_rows_at_a_time_gives_each_rows_own_scores():
     ones it gets scored alone (padding, sinks-only windows and positions differ between rows)."""
     from types import SimpleNamespace
 
-    from kvsieve.methods.expected import CHUNK_BYTES
+    from kvsieve.methods._common import CHUNK_BYTES
 
     g = torch.Generator().manual_seed(7)
     rows, kv_heads, group, window, dim, cap = 8, 3, 3, 256, 64, 40

@@ -53,7 +53,7 @@ import torch
 from ..attention import window_attention
 from ..cache import DEAD_POS
 from ..policy import About, check_choice
-from ._common import HEAD_REDUCTIONS, pool_along_sequence, reduce_group
+from ._common import HEAD_REDUCTIONS, pool_along_sequence, reduce_group, row_chunks
 from ._segments import SegmentQuotas, normalize
 from . import register_wrapper
 from ._wrapper import WrappingScorer
@@ -61,24 +61,18 @@ from ._wrapper import WrappingScorer
 CREDIT = "ams_credit"  # per-token EMA credit (Sec. 3.3), compacted with K/V
 
 
-# Rows whose window attention is computed at once: about 2 MiB of attention rows, so they are
-# summed while in cache and the stack's rows are bounded by its queries, not by these rows
-# (``Needs.attends_window`` False).
-CHUNK_BYTES = 2 << 20
-
-
 # ---------------------------------------------------------------------------- Step 1-2: mass
 def window_observations(window) -> tuple[torch.Tensor, torch.Tensor]:
     """What Eq. (1) reads of the attention ``probs`` [B, H, G, w, S] of ``window``'s recent queries
     over its cache (``attention.window_attention``): their sum over the queries [B, H, G, S] and
-    their maximum over the window [B, H, G, 1], computed a few rows at a time (``CHUNK_BYTES``)."""
+    their maximum over the window [B, H, G, 1], computed a few rows at a time (``row_chunks``):
+    summed while in cache, so a stack's rows are bounded by its queries, not by these rows
+    (``Needs.attends_window`` False)."""
     queries, keys = window.recent_queries, window.keys  # [B, H_q, w, D], [B, H, S, D]
     B, H, S = keys.shape[:3]
     G, w = queries.shape[1] // H, queries.shape[2]
     total, top = keys.new_empty(B, H, G, S, dtype=torch.float32), keys.new_empty(B, H, G, 1, dtype=torch.float32)
-    step = max(1, CHUNK_BYTES // (H * G * w * S * 4))
-    for start in range(0, B, step):
-        rows = slice(start, start + step)
+    for rows in row_chunks(B, H * G * w * S * 4):
         probs = window_attention(window, rows)  # [b, H, G, w, S]
         total[rows] = probs.sum(dim=-2)
         top[rows] = probs.amax(dim=(-1, -2))[..., None]

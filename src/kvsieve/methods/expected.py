@@ -41,6 +41,7 @@ import torch
 
 from ..cache import DEAD_POS
 from ..policy import About, Defaults, Needs, Scorer, register
+from ._common import row_chunks
 
 
 def rotate_back(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,14 +101,6 @@ def per_distinct_row(positions: torch.Tensor, fn):
     if distinct.shape[0] == positions.shape[0]:
         return fn(positions)
     return tuple(t[row_of] for t in fn(distinct))
-
-
-# Rows scored together: about 2 MiB of window queries, so a chunk's copies and products stay in
-# one core's L2 cache (4 MiB on the machine these numbers come from).  60 rows of 9 heads x 256
-# queries x 64 and 192 keys scored in 30-47 ms at once and 24-26 ms two to eight rows at a time
-# (33 ms one row at a time), the same numbers: each row's own.  The worker's stacks are smaller
-# (about 13 rows at 64 requests), where it gains 2-3% of a compaction (compaction benchmark).
-CHUNK_BYTES = 2 << 20
 
 
 def gaussian_logits(queries: torch.Tensor, weight: torch.Tensor, keys: torch.Tensor, scaling: float,
@@ -218,9 +211,7 @@ class ExpectedAttention(Scorer):
                 future, lambda p: tuple(t.mean(dim=1) for t in rope_angles(p, inv_freq)))
             angles = cos, sin, cos_bar, sin_bar
         logits = keys.new_empty(B, H, queries.shape[1] // H, cap)
-        step = max(1, CHUNK_BYTES // (queries[0].numel() * queries.element_size()))
-        for start in range(0, B, step):  # a few rows at a time, in cache (CHUNK_BYTES)
-            rows = slice(start, start + step)
+        for rows in row_chunks(B, queries[0].numel() * queries.element_size()):  # a few rows at a time, in cache
             logits[rows] = gaussian_logits(queries[rows], weight[rows], keys[rows], layer.scaling, self.use_covariance,
                                            None if angles is None else tuple(a[rows] for a in angles))
         scored = (pos != DEAD_POS) & (pos >= self.sinks)  # [B, H, cap]
